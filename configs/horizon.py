@@ -1,0 +1,195 @@
+"""Horizon model family: one config file, variants by name.
+
+Run (prints shapes, parameter counts and a few decode steps):
+
+    python -m experiments.quickstart --config=configs/horizon.py:tiny
+    python -m experiments.param_count --config=configs/horizon.py:full
+
+Variants:
+  tiny  -- unit tests: prime-ish dimensions so shape bugs cannot hide, 4 layers
+           (2 Gated DSA + 2 Delta), 8 routed experts, 1 dense FFN layer, DSA
+           top-k 16 so sparsity is exercised at test lengths.
+  small -- CPU demo, ~60M total parameters.
+  full  -- the seed design: 93 layers (24 Gated DSA + 69 Delta), 608 routed
+           experts of width 2048 (top-14) + 1 shared, ~2.80T total / ~104B
+           active language-model parameters, 1M-token context.
+
+Every default lives here, once; `model.config.ModelConfig` has no defaults and
+validates what it is given.
+"""
+
+import ml_collections
+
+VARIANTS = ("tiny", "small", "full")
+
+
+def _full_model() -> ml_collections.ConfigDict:
+  m = ml_collections.ConfigDict()
+  # Trunk.
+  m.vocab_size = 163_840
+  m.d_model = 8192
+  m.num_layers = 93
+  # Layer i is Gated DSA when i % dsa_period == dsa_offset, else Delta:
+  # 93 layers with period 4, offset 0 -> 24 DSA (0, 4, ..., 92) + 69 Delta.
+  m.dsa_period = 4
+  m.dsa_offset = 0
+  m.num_dense_layers = 3  # the first N layers use a dense FFN, the rest MoE
+  m.dense_ffn_dim = 20_480
+  m.norm_eps = 1e-6
+  # Positions: RoPE on the decoupled MLA/indexer dims only (Delta layers need
+  # none). theta is large enough that the longest RoPE wavelength exceeds
+  # max_seq_len; ModelConfig.validate checks this.
+  m.max_seq_len = 1_048_576
+  m.rope_theta = 10_000_000.0
+  # Gated DSA: MLA + lightning indexer + sigmoid output gate (DeepSeek-V3.2).
+  m.num_heads = 128
+  m.q_lora_rank = 1536
+  m.kv_lora_rank = 512
+  m.qk_nope_dim = 128
+  m.qk_rope_dim = 64
+  m.v_head_dim = 128
+  m.index_heads = 64
+  m.index_head_dim = 128
+  m.index_topk = 2048
+  m.indexer_stage = "sparse"  # "dense_warmup" | "sparse"
+  m.dsa_query_block = 256  # queries processed together in the sparse path
+  m.dsa_key_block = 2048  # keys scored together by the blockwise top-k
+  # Delta attention: gated delta rule (Gated DeltaNet).
+  m.delta_qk_heads = 64
+  m.delta_v_heads = 64
+  m.delta_qk_dim = 128
+  m.delta_v_dim = 128
+  m.delta_conv_size = 4
+  m.delta_chunk_size = 64
+  # MoE.
+  m.num_experts = 608
+  m.experts_per_token = 14
+  m.expert_dim = 2048
+  m.num_shared_experts = 1
+  m.router_score = "sigmoid"  # "sigmoid" | "softmax"
+  m.router_groups = 8  # group-limited routing: experts split into groups ...
+  m.router_topk_groups = 4  # ... and only tokens' best groups are eligible
+  m.routed_scaling = 2.5
+  m.norm_topk_prob = True
+  # Vision encoder (ViT + projector); image embeddings replace placeholders.
+  m.vision = ml_collections.ConfigDict()
+  m.vision.enabled = True
+  m.vision.image_size = 448
+  m.vision.patch_size = 14
+  m.vision.num_channels = 3
+  m.vision.width = 1152
+  m.vision.depth = 27
+  m.vision.num_heads = 16
+  m.vision.mlp_dim = 4304
+  m.image_token_id = 163_839  # the tokenizer's image placeholder id
+  # Numerics and memory.
+  m.param_dtype = "bfloat16"
+  m.dtype = "bfloat16"
+  m.remat = "full"  # "none" | "full" | "save_dots"
+  m.attention_impl = "xla"  # "xla" | "pallas" (pallas kernels: later issue)
+  return m
+
+
+def _small(m: ml_collections.ConfigDict) -> None:
+  m.vocab_size = 8192
+  m.d_model = 384
+  m.num_layers = 8
+  m.dsa_period = 2
+  m.num_dense_layers = 1
+  m.dense_ffn_dim = 1024
+  m.max_seq_len = 8192
+  m.rope_theta = 100_000.0
+  m.num_heads = 6
+  m.q_lora_rank = 192
+  m.kv_lora_rank = 96
+  m.qk_nope_dim = 48
+  m.qk_rope_dim = 16
+  m.v_head_dim = 48
+  m.index_heads = 4
+  m.index_head_dim = 32
+  m.index_topk = 256
+  m.dsa_query_block = 128
+  m.dsa_key_block = 256
+  m.delta_qk_heads = 4
+  m.delta_v_heads = 8
+  m.delta_qk_dim = 48
+  m.delta_v_dim = 48
+  m.delta_chunk_size = 32
+  m.num_experts = 32
+  m.experts_per_token = 4
+  m.expert_dim = 256
+  m.router_groups = 4
+  m.router_topk_groups = 2
+  m.routed_scaling = 1.0
+  m.vision.image_size = 32
+  m.vision.patch_size = 4
+  m.vision.width = 128
+  m.vision.depth = 2
+  m.vision.num_heads = 4
+  m.vision.mlp_dim = 256
+  m.image_token_id = 8191
+  m.param_dtype = "float32"
+  m.dtype = "bfloat16"
+  m.remat = "none"
+
+
+def _tiny(m: ml_collections.ConfigDict) -> None:
+  m.vocab_size = 263
+  m.d_model = 56
+  m.num_layers = 4
+  m.dsa_period = 2  # DSA, Delta, DSA, Delta
+  m.num_dense_layers = 1
+  m.dense_ffn_dim = 92
+  m.max_seq_len = 256
+  m.rope_theta = 10_000.0
+  m.num_heads = 3
+  m.q_lora_rank = 38
+  m.kv_lora_rank = 22
+  m.qk_nope_dim = 10
+  m.qk_rope_dim = 6
+  m.v_head_dim = 14
+  m.index_heads = 3
+  m.index_head_dim = 12
+  m.index_topk = 16
+  m.dsa_query_block = 8
+  m.dsa_key_block = 16
+  m.delta_qk_heads = 2
+  m.delta_v_heads = 4
+  m.delta_qk_dim = 10
+  m.delta_v_dim = 6
+  m.delta_conv_size = 4
+  m.delta_chunk_size = 8
+  m.num_experts = 8
+  m.experts_per_token = 2
+  m.expert_dim = 26
+  m.num_shared_experts = 1
+  m.router_groups = 2
+  m.router_topk_groups = 1
+  m.routed_scaling = 1.0
+  m.vision.image_size = 16
+  m.vision.patch_size = 4
+  m.vision.width = 20
+  m.vision.depth = 2
+  m.vision.num_heads = 2
+  m.vision.mlp_dim = 34
+  m.image_token_id = 262
+  m.param_dtype = "float32"
+  m.dtype = "float32"
+  m.remat = "none"
+
+
+def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
+  """Returns the config for variant `arg` (one of VARIANTS)."""
+  if arg not in VARIANTS:
+    raise ValueError(
+        f"configs/horizon.py: unknown variant {arg!r}; choose one of {VARIANTS} "
+        "(e.g. --config=configs/horizon.py:tiny).")
+  config = ml_collections.ConfigDict()
+  config.variant = arg
+  config.seed = 0
+  config.model = _full_model()
+  if arg == "small":
+    _small(config.model)
+  elif arg == "tiny":
+    _tiny(config.model)
+  return config

@@ -1,0 +1,187 @@
+"""Typed, validated view of the `model` section of a config.
+
+Defaults live in `configs/*.py` only; these dataclasses have none, so a field
+missing from a config is an error that names it. `validate()` turns bad values
+into errors a person can act on (field name, value, the fix).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax.numpy as jnp
+
+LAYER_KINDS = ("dsa", "delta")
+FFN_KINDS = ("dense", "moe")
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+  """A config field has a missing, unknown or invalid value."""
+
+
+def _from_mapping(cls, mapping: Any, where: str):
+  d = dict(mapping.items()) if hasattr(mapping, "items") else dict(mapping)
+  names = {f.name for f in dataclasses.fields(cls)}
+  unknown = sorted(set(d) - names)
+  missing = sorted(names - set(d))
+  if unknown:
+    raise ConfigError(f"{where}: unknown field(s) {unknown}; known fields: {sorted(names)}.")
+  if missing:
+    raise ConfigError(f"{where}: missing field(s) {missing}; add them to the config file.")
+  return d
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionConfig:
+  enabled: bool
+  image_size: int
+  patch_size: int
+  num_channels: int
+  width: int
+  depth: int
+  num_heads: int
+  mlp_dim: int
+
+  @property
+  def num_patches(self) -> int:
+    return (self.image_size // self.patch_size) ** 2
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Model hyper-parameters; see configs/horizon.py for meanings and values."""
+  vocab_size: int
+  d_model: int
+  num_layers: int
+  dsa_period: int
+  dsa_offset: int
+  num_dense_layers: int
+  dense_ffn_dim: int
+  norm_eps: float
+  max_seq_len: int
+  rope_theta: float
+  num_heads: int
+  q_lora_rank: int
+  kv_lora_rank: int
+  qk_nope_dim: int
+  qk_rope_dim: int
+  v_head_dim: int
+  index_heads: int
+  index_head_dim: int
+  index_topk: int
+  indexer_stage: str
+  dsa_query_block: int
+  dsa_key_block: int
+  delta_qk_heads: int
+  delta_v_heads: int
+  delta_qk_dim: int
+  delta_v_dim: int
+  delta_conv_size: int
+  delta_chunk_size: int
+  num_experts: int
+  experts_per_token: int
+  expert_dim: int
+  num_shared_experts: int
+  router_score: str
+  router_groups: int
+  router_topk_groups: int
+  routed_scaling: float
+  norm_topk_prob: bool
+  vision: VisionConfig
+  image_token_id: int
+  param_dtype: str
+  dtype: str
+  remat: str
+  attention_impl: str
+
+  @classmethod
+  def from_config(cls, model_cfg: Any) -> "ModelConfig":
+    """Builds from the `config.model` ConfigDict (or a plain mapping)."""
+    d = _from_mapping(cls, model_cfg, "config.model")
+    d["vision"] = VisionConfig(**_from_mapping(VisionConfig, d["vision"], "config.model.vision"))
+    cfg = cls(**d)
+    cfg.validate()
+    return cfg
+
+  def replace(self, **changes) -> "ModelConfig":
+    cfg = dataclasses.replace(self, **changes)
+    cfg.validate()
+    return cfg
+
+  # ---- derived -------------------------------------------------------------
+  @property
+  def layer_kinds(self) -> tuple[str, ...]:
+    """Per-layer attention kind: 'dsa' or 'delta'."""
+    return tuple("dsa" if i % self.dsa_period == self.dsa_offset else "delta"
+                 for i in range(self.num_layers))
+
+  @property
+  def ffn_kinds(self) -> tuple[str, ...]:
+    """Per-layer feed-forward kind: 'dense' for the first layers, then 'moe'."""
+    return tuple("dense" if i < self.num_dense_layers else "moe" for i in range(self.num_layers))
+
+  @property
+  def jnp_dtype(self):
+    return jnp.dtype(self.dtype)
+
+  @property
+  def jnp_param_dtype(self):
+    return jnp.dtype(self.param_dtype)
+
+  # ---- validation ----------------------------------------------------------
+  def validate(self) -> None:
+    def need(cond: bool, field: str, msg: str):
+      if not cond:
+        raise ConfigError(f"config.model.{field}={getattr(self, field, '?')!r}: {msg}")
+
+    for f in ("vocab_size", "d_model", "num_layers", "dense_ffn_dim", "max_seq_len", "num_heads",
+              "q_lora_rank", "kv_lora_rank", "qk_nope_dim", "qk_rope_dim", "v_head_dim",
+              "index_heads", "index_head_dim", "index_topk", "dsa_query_block", "dsa_key_block",
+              "delta_qk_heads", "delta_v_heads", "delta_qk_dim", "delta_v_dim",
+              "delta_conv_size", "delta_chunk_size", "num_experts", "experts_per_token",
+              "expert_dim", "dsa_period"):
+      need(isinstance(getattr(self, f), int) and getattr(self, f) > 0, f, "must be a positive int.")
+    need(0 <= self.dsa_offset < self.dsa_period, "dsa_offset", "must be in [0, dsa_period).")
+    need(0 <= self.num_dense_layers <= self.num_layers, "num_dense_layers",
+         "must be between 0 and num_layers.")
+    need(self.qk_rope_dim % 2 == 0, "qk_rope_dim", "RoPE needs an even number of dims.")
+    need(self.qk_rope_dim <= self.index_head_dim, "index_head_dim",
+         "the indexer applies RoPE to its first qk_rope_dim dims, so it must be >= qk_rope_dim.")
+    need(self.indexer_stage in ("dense_warmup", "sparse"), "indexer_stage",
+         "choose 'dense_warmup' (only the indexer trains, dense KL) or 'sparse'.")
+    need(self.delta_v_heads % self.delta_qk_heads == 0, "delta_v_heads",
+         f"must be a multiple of delta_qk_heads={self.delta_qk_heads}.")
+    need(self.experts_per_token <= self.num_experts, "experts_per_token",
+         f"must be <= num_experts={self.num_experts}.")
+    need(self.num_shared_experts >= 0, "num_shared_experts", "must be >= 0.")
+    need(self.router_score in ("sigmoid", "softmax"), "router_score", "choose 'sigmoid' or 'softmax'.")
+    need(self.router_groups >= 1 and self.num_experts % self.router_groups == 0, "router_groups",
+         f"must divide num_experts={self.num_experts} (use 1 to disable group-limited routing).")
+    need(1 <= self.router_topk_groups <= self.router_groups, "router_topk_groups",
+         f"must be in [1, router_groups={self.router_groups}].")
+    per_group = self.num_experts // self.router_groups
+    need(self.router_topk_groups * per_group >= self.experts_per_token, "router_topk_groups",
+         "the selected groups hold fewer experts than experts_per_token; raise router_topk_groups.")
+    need(self.remat in ("none", "full", "save_dots"), "remat", "choose 'none', 'full' or 'save_dots'.")
+    need(self.attention_impl in ("xla", "pallas"), "attention_impl", "choose 'xla' or 'pallas'.")
+    for f in ("dtype", "param_dtype"):
+      need(getattr(self, f) in _DTYPES, f, f"choose one of {_DTYPES}.")
+    need(0 <= self.image_token_id < self.vocab_size, "image_token_id",
+         f"must be a token id below vocab_size={self.vocab_size}.")
+    # The slowest RoPE frequency must not complete a turn within the context,
+    # or distant positions alias nearby ones.
+    longest_wavelength = 2 * math.pi * self.rope_theta ** ((self.qk_rope_dim - 2) / self.qk_rope_dim)
+    need(longest_wavelength >= self.max_seq_len, "rope_theta",
+         f"longest RoPE wavelength {longest_wavelength:.3g} < max_seq_len={self.max_seq_len}; "
+         "raise rope_theta.")
+    v = self.vision
+    if v.enabled:
+      if v.image_size % v.patch_size:
+        raise ConfigError(f"config.model.vision.image_size={v.image_size} is not a multiple of "
+                          f"patch_size={v.patch_size}.")
+      if v.width % v.num_heads:
+        raise ConfigError(f"config.model.vision.width={v.width} is not divisible by "
+                          f"num_heads={v.num_heads}.")

@@ -1,0 +1,24 @@
+"""Horizon: a JAX research codebase for long-horizon agent models."""
+
+from setuptools import setup
+
+setup(
+    name="horizon",
+    version="0.1.0",
+    description="Hybrid Gated-DSA / Delta-attention MoE models in JAX + Flax NNX.",
+    license="Apache-2.0",
+    python_requires=">=3.11",
+    packages=[
+        "configs", "model", "model.attention", "rl", "sharding", "pallas_kernels",
+        "training", "serving", "experiments", "experiments.bench",
+    ],
+    install_requires=[
+        "jax>=0.10",
+        "flax>=0.12.8",
+        "optax>=0.2.8",
+        "ml-collections>=1.1",
+        "absl-py>=2.1",
+        "numpy>=2.0",
+    ],
+    extras_require={"test": ["pytest>=8", "ruff>=0.15"]},
+)
