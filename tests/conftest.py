@@ -10,6 +10,11 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+# Reuse compiled programs across runs on the same machine (a speed-up only:
+# the cache is keyed by the program and the jax version).
+jax.config.update("jax_compilation_cache_dir",
+                  os.environ.get("HORIZON_JAX_CACHE", "/tmp/horizon_jax_cache"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 @pytest.fixture(scope="session")

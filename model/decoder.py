@@ -1,0 +1,210 @@
+"""The Horizon decoder: embedding, a hybrid stack of pre-norm blocks, LM head.
+
+Layer kinds come from data (`ModelConfig.layer_kinds` / `ffn_kinds`): each
+block is Gated DSA (`model.attention.dsa`, DeepSeek-V3.2) or Delta attention
+(`model.attention.delta`, Gated DeltaNet), followed by a dense SwiGLU FFN (the
+first `num_dense_layers`) or a Mixture-of-Experts FFN (`model.moe`). Images
+enter through `model.vision`: their projected patch embeddings replace the
+image placeholder tokens.
+
+Two ways to run it:
+  * `__call__(tokens, positions, segment_ids, images)` — the whole (packed)
+    sequence at once, for training; returns f32 logits and auxiliary outputs
+    (indexer loss, router z-loss / sequence aux loss, per-layer expert load).
+  * `init_cache` → `prefill(tokens, lengths, cache)` → `decode_step(tok, cache)`
+    — generation with a decode state (DSA: latent, RoPE key and indexer key per
+    position; Delta: recurrent + conv state). Prefill may be called repeatedly
+    (chunked prefill continues from the cache). Prefill + decode equals the
+    full forward.
+
+Einsum legend: b batch, t tokens, d model dim, v vocab.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from model.attention.delta import DeltaAttention
+from model.attention.dsa import GatedDSA
+from model.config import ModelConfig
+from model.layers import MLP, KeyGen, RMSNorm, einsum, maybe_remat, param
+from model.moe import MoE
+from model.vision import VisionEncoder, merge_image_embeddings
+
+_ATTENTION = {"dsa": GatedDSA, "delta": DeltaAttention}
+
+
+class Block(nnx.Module):
+  """x + attn(norm(x)), then x + ffn(norm(x))."""
+
+  def __init__(self, cfg: ModelConfig, kind: str, ffn_kind: str, *, rngs: nnx.Rngs):
+    self.kind, self.ffn_kind = kind, ffn_kind
+    pdt = cfg.jnp_param_dtype
+    self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs, param_dtype=pdt)
+    self.attn = _ATTENTION[kind](cfg, rngs=rngs)
+    self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs, param_dtype=pdt)
+    if ffn_kind == "moe":
+      self.ffn = MoE(cfg, rngs=rngs)
+    else:
+      self.ffn = MLP(cfg.d_model, cfg.dense_ffn_dim, rngs=rngs, param_dtype=pdt, dtype=cfg.jnp_dtype)
+
+  def _ffn(self, x):
+    if self.ffn_kind == "moe":
+      y, aux = self.ffn(self.ffn_norm(x))
+      return x + y, aux
+    return x + self.ffn(self.ffn_norm(x)), {}
+
+  def __call__(self, x, positions, segment_ids):
+    h, attn_aux = self.attn(self.attn_norm(x), positions, segment_ids)
+    x, ffn_aux = self._ffn(x + h)
+    return x, {**attn_aux, **ffn_aux}
+
+  def extend(self, x, valid, cache):
+    h, cache = self.attn.extend(self.attn_norm(x), valid, cache)
+    x, _ = self._ffn(x + h)
+    return x, cache
+
+
+def _block_forward(block: Block, x, positions, segment_ids):
+  return block(x, positions, segment_ids)
+
+
+class Horizon(nnx.Module):
+  """The language model (plus optional vision encoder)."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    pdt = cfg.jnp_param_dtype
+    rngs = KeyGen(rngs.params())
+    self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), pdt, init="normal")
+    self.blocks = nnx.List([Block(cfg, kind, ffn, rngs=rngs)
+                            for kind, ffn in zip(cfg.layer_kinds, cfg.ffn_kinds, strict=True)])
+    self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs, param_dtype=pdt)
+    self.head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pdt)
+    self.vision = VisionEncoder(cfg, rngs=rngs) if cfg.vision.enabled else None
+
+  # ---- inputs ----------------------------------------------------------------
+  def _check_tokens(self, tokens, name="tokens"):
+    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+      raise ValueError(f"{name}: expected int [batch, seq], got {tokens.dtype}{list(tokens.shape)}.")
+
+  def embed_inputs(self, tokens: jax.Array, images: jax.Array | None = None) -> jax.Array:
+    """Token embeddings with image placeholders replaced by image patches.
+
+    images: [b, m, H, W, C] — up to m images per row (pad with any image; the
+    row's placeholders decide how many patches are used, in order).
+    """
+    x = jnp.take(self.embed[...], tokens, axis=0).astype(self.cfg.jnp_dtype)
+    if images is None:
+      return x
+    if self.vision is None:
+      raise ValueError("images were given but config.model.vision.enabled is False.")
+    if images.ndim != 5 or images.shape[0] != tokens.shape[0]:
+      raise ValueError(f"images: expected [batch={tokens.shape[0]}, images_per_row, H, W, C], "
+                       f"got {list(images.shape)}.")
+    b, m = images.shape[:2]
+    n_patches = m * self.cfg.vision.num_patches
+    if not isinstance(tokens, jax.core.Tracer):  # checkable only on concrete tokens
+      n_ph = int(np.max(np.sum(np.asarray(tokens) == self.cfg.image_token_id, axis=1)))
+      if n_ph > n_patches:
+        raise ValueError(f"a row has {n_ph} image placeholder tokens but only {n_patches} image "
+                         f"patches were given ({m} images x {self.cfg.vision.num_patches} patches).")
+    emb = self.vision(images.reshape((b * m,) + images.shape[2:]))
+    emb = emb.reshape(b, n_patches, emb.shape[2])
+    return merge_image_embeddings(x, tokens, emb, self.cfg.image_token_id)
+
+  def logits(self, x: jax.Array) -> jax.Array:
+    return einsum("btd,dv->btv", self.final_norm(x), self.head[...], self.cfg.jnp_dtype).astype(
+        jnp.float32)
+
+  # ---- training forward -----------------------------------------------------
+  def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
+               segment_ids: jax.Array | None = None, images: jax.Array | None = None
+               ) -> tuple[jax.Array, dict[str, Any]]:
+    """tokens [b, t] -> (logits f32 [b, t, vocab], aux).
+
+    positions: per-token positions (restart at 0 in each packed segment);
+    default arange. segment_ids: packed-document ids; tokens attend and carry
+    state only within their segment; default all one segment.
+    aux: indexer_loss (mean over DSA layers), z_loss and seq_aux_loss (mean
+    over MoE layers), load [num_moe_layers, num_experts] token counts.
+    """
+    self._check_tokens(tokens)
+    b, t = tokens.shape
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    if segment_ids is None:
+      segment_ids = jnp.ones((b, t), jnp.int32)
+    for name, a in (("positions", positions), ("segment_ids", segment_ids)):
+      if a.shape != (b, t):
+        raise ValueError(f"{name}: expected shape {(b, t)} like tokens, got {a.shape}.")
+    x = self.embed_inputs(tokens, images)
+    fwd = maybe_remat(_block_forward, self.cfg.remat)
+    auxes = []
+    for block in self.blocks:
+      x, aux = fwd(block, x, positions, segment_ids)
+      auxes.append(aux)
+    return self.logits(x), _collect_aux(auxes)
+
+  # ---- generation -----------------------------------------------------------
+  def init_cache(self, batch: int, max_len: int | None = None) -> list[Any]:
+    """An empty decode state for `batch` rows and up to `max_len` tokens."""
+    max_len = max_len or self.cfg.max_seq_len
+    if max_len > self.cfg.max_seq_len:
+      raise ValueError(f"max_len={max_len} exceeds config.model.max_seq_len={self.cfg.max_seq_len}.")
+    return [blk.attn.init_cache(batch, max_len, self.cfg.jnp_dtype) for blk in self.blocks]
+
+  def prefill(self, tokens: jax.Array, lengths: jax.Array, cache: list[Any],
+              images: jax.Array | None = None) -> tuple[jax.Array, list[Any]]:
+    """Appends right-padded prompts to the cache.
+
+    tokens [b, t]; lengths [b]: how many of each row's tokens are real (the
+    rest is padding and leaves the state untouched). Returns logits
+    [b, t, vocab] (rows' padding positions are meaningless) and the new cache.
+    Calling it again continues from the cache (chunked prefill).
+    """
+    self._check_tokens(tokens)
+    if lengths.shape != tokens.shape[:1]:
+      raise ValueError(f"lengths: expected shape {tokens.shape[:1]}, got {lengths.shape}.")
+    valid = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
+    x = self.embed_inputs(tokens, images)
+    new_cache = []
+    for block, c in zip(self.blocks, cache, strict=True):
+      x, c = block.extend(x, valid, c)
+      new_cache.append(c)
+    return self.logits(x), new_cache
+
+  def decode_step(self, tokens: jax.Array, cache: list[Any]) -> tuple[jax.Array, list[Any]]:
+    """One token per row: tokens [b] -> (logits [b, vocab], cache)."""
+    if tokens.ndim != 1:
+      raise ValueError(f"decode_step: tokens must be [batch], got shape {tokens.shape}.")
+    logits, cache = self.prefill(tokens[:, None], jnp.ones(tokens.shape, jnp.int32), cache)
+    return logits[:, 0], cache
+
+
+def _collect_aux(auxes: list[dict[str, Any]]) -> dict[str, Any]:
+  out: dict[str, Any] = {}
+  idx = [a["indexer_loss"] for a in auxes if "indexer_loss" in a]
+  moe = [a for a in auxes if "load" in a]
+  out["indexer_loss"] = jnp.mean(jnp.stack(idx)) if idx else jnp.zeros((), jnp.float32)
+  if moe:
+    out["load"] = jnp.stack([a["load"] for a in moe])
+    out["z_loss"] = jnp.mean(jnp.stack([a["z_loss"] for a in moe]))
+    out["seq_aux_loss"] = jnp.mean(jnp.stack([a["seq_aux_loss"] for a in moe]))
+  else:
+    out["z_loss"] = out["seq_aux_loss"] = jnp.zeros((), jnp.float32)
+  return out
+
+
+def build_model(cfg: ModelConfig, seed: int = 0) -> Horizon:
+  return Horizon(cfg, rngs=nnx.Rngs(seed))
+
+
+def abstract_model(cfg: ModelConfig) -> Horizon:
+  """The model with ShapeDtypeStruct parameters (nothing allocated)."""
+  return nnx.eval_shape(lambda: Horizon(cfg, rngs=nnx.Rngs(0)))

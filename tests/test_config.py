@@ -1,0 +1,104 @@
+"""Every config file and variant parses, validates and builds abstractly."""
+
+import glob
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+from flax import nnx
+
+from configs import horizon
+from model.config import ConfigError, ModelConfig
+from model.decoder import abstract_model
+from model.param_count import count_parameters
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _all_configs():
+  for path in sorted(glob.glob(os.path.join(ROOT, "configs", "*.py"))):
+    name = os.path.basename(path)[:-3]
+    if name == "__init__":
+      continue
+    mod = importlib.import_module(f"configs.{name}")
+    for variant in getattr(mod, "VARIANTS", ("",)):
+      yield name, variant
+
+
+@pytest.mark.parametrize("name,variant", list(_all_configs()))
+def test_every_config_builds_abstractly(name, variant):
+  cfg = ModelConfig.from_config(importlib.import_module(f"configs.{name}").get_config(variant).model)
+  model = abstract_model(cfg)
+  params = nnx.state(model, nnx.Param)
+  leaves = jax.tree.leaves(params)
+  assert leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+  assert len(model.blocks) == cfg.num_layers
+  # Every parameter carries one logical axis name per dimension.
+  for path, var in nnx.to_flat_state(params):
+    axes = var.get_metadata().get("axes")
+    assert axes is not None and len(axes) == len(var.get_value().shape), path
+
+
+def test_tiny_meets_test_requirements(tiny_cfg):
+  kinds = tiny_cfg.layer_kinds
+  assert tiny_cfg.num_layers >= 4 and "dsa" in kinds and "delta" in kinds
+  assert tiny_cfg.num_experts >= 8 and "dense" in tiny_cfg.ffn_kinds and "moe" in tiny_cfg.ffn_kinds
+  assert tiny_cfg.index_topk <= 16
+  assert count_parameters(tiny_cfg)["total_with_vision"] <= 5_000_000
+
+
+def test_small_size():
+  cfg = ModelConfig.from_config(horizon.get_config("small").model)
+  assert 30e6 <= count_parameters(cfg)["total_with_vision"] <= 100e6
+
+
+def test_full_matches_design_targets():
+  cfg = ModelConfig.from_config(horizon.get_config("full").model)
+  res = count_parameters(cfg)
+  assert res["layers"] == {"dsa": 24, "delta": 69}
+  assert cfg.num_layers == 93 and cfg.index_topk == 2048 and cfg.max_seq_len == 1_048_576
+  assert abs(res["total"] / 2.80e12 - 1) <= 0.01, res["total"]
+  assert abs(res["active"] / 104e9 - 1) <= 0.01, res["active"]
+
+
+def test_param_count_cli_last_line_is_json():
+  out = subprocess.run([sys.executable, "-m", "experiments.param_count",
+                        "--config=configs/horizon.py:tiny"], cwd=ROOT, capture_output=True,
+                       text=True, check=True).stdout
+  last = json.loads(out.strip().splitlines()[-1])
+  assert last["layers"] == {"dsa": 2, "delta": 2} and last["total"] > last["active"] > 0
+
+
+@pytest.mark.parametrize("field,value,fragment", [
+    ("delta_v_heads", 3, "multiple of delta_qk_heads"),
+    ("router_groups", 3, "must divide num_experts"),
+    ("rope_theta", 10.0, "raise rope_theta"),
+    ("experts_per_token", 99, "experts_per_token"),
+    ("remat", "sometimes", "remat"),
+])
+def test_bad_values_name_the_field(field, value, fragment):
+  c = horizon.get_config("tiny")
+  c.model[field] = value
+  with pytest.raises(ConfigError, match=fragment) as e:
+    ModelConfig.from_config(c.model)
+  assert f"config.model.{field}" in str(e.value)
+
+
+def test_missing_and_unknown_fields():
+  c = horizon.get_config("tiny").model.to_dict()
+  del c["d_model"]
+  with pytest.raises(ConfigError, match="missing field.*d_model"):
+    ModelConfig.from_config(c)
+  c = horizon.get_config("tiny").model.to_dict()
+  c["d_modle"] = 3
+  with pytest.raises(ConfigError, match="unknown field.*d_modle"):
+    ModelConfig.from_config(c)
+
+
+def test_unknown_variant():
+  with pytest.raises(ValueError, match="unknown variant"):
+    horizon.get_config("huge")

@@ -1,0 +1,184 @@
+"""The assembled decoder: forward, packing, images, remat, and decode state."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from model.decoder import abstract_model, build_model
+from tests.helpers import assert_close
+
+
+@pytest.fixture(scope="module")
+def model(tiny_cfg):
+  return build_model(tiny_cfg, seed=1)
+
+
+# Jitted entry points: eager calls would compile every op separately.
+@nnx.jit
+def fwd(m, tok, pos=None, seg=None, images=None):
+  return m(tok, pos, seg, images)
+
+
+@nnx.jit
+def prefill(m, tok, lengths, cache):
+  return m.prefill(tok, lengths, cache)
+
+
+@nnx.jit
+def decode_step(m, tok, cache):
+  return m.decode_step(tok, cache)
+
+
+def _ce(logits, tok):
+  return jnp.mean(jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, tok[..., None], -1)[..., 0])
+
+
+def _like(model, cfg):
+  """A model of config `cfg` holding `model`'s variables (no new init)."""
+  m = abstract_model(cfg)
+  nnx.update(m, nnx.state(model))
+  return m
+
+
+def _tokens(cfg, shape, seed=0):
+  # Text tokens only (no image placeholder id).
+  return jnp.asarray(np.random.default_rng(seed).integers(0, cfg.image_token_id, shape), jnp.int32)
+
+
+def test_forward_shapes_and_aux(model, tiny_cfg):
+  tok = _tokens(tiny_cfg, (2, 29))
+  logits, aux = fwd(model, tok)
+  assert logits.shape == (2, 29, tiny_cfg.vocab_size) and logits.dtype == jnp.float32
+  assert np.all(np.isfinite(logits))
+  n_moe = tiny_cfg.ffn_kinds.count("moe")
+  assert aux["load"].shape == (n_moe, tiny_cfg.num_experts)
+  np.testing.assert_allclose(aux["load"].sum(-1), 2 * 29 * tiny_cfg.experts_per_token)
+  for k in ("indexer_loss", "z_loss", "seq_aux_loss"):
+    assert aux[k].shape == () and np.isfinite(aux[k]) and float(aux[k]) > 0, k
+
+
+def test_packed_segments_do_not_interact(model, tiny_cfg):
+  a, b = _tokens(tiny_cfg, (1, 19), 1), _tokens(tiny_cfg, (1, 23), 2)
+  packed = jnp.concatenate([a, b], 1)
+  seg = jnp.concatenate([jnp.full((1, 19), 1), jnp.full((1, 23), 2)], 1).astype(jnp.int32)
+  pos = jnp.concatenate([jnp.arange(19), jnp.arange(23)])[None].astype(jnp.int32)
+  lp, _ = fwd(model, packed, pos, seg)
+  la, _ = fwd(model, a)
+  lb, _ = fwd(model, b)
+  assert_close(lp[:, :19], la, what="segment A")
+  assert_close(lp[:, 19:], lb, what="segment B")
+
+
+def test_prefill_then_decode_equals_full_forward(model, tiny_cfg):
+  """Rows with different prompt lengths; logits equal the full forward's (f32, 1e-4)."""
+  total, lengths = 30, np.array([7, 18])
+  seq = _tokens(tiny_cfg, (2, total), 3)
+  cache = model.init_cache(2, 40)
+  plog, cache = prefill(model, seq[:, :18], jnp.asarray(lengths, jnp.int32), cache)
+  dec = {r: [plog[r, : lengths[r]]] for r in range(2)}
+  pos = lengths.copy()
+  for _ in range(total - 18):
+    lg, cache = decode_step(model, seq[np.arange(2), pos], cache)
+    for r in range(2):
+      dec[r].append(lg[r][None])
+    pos += 1
+  for r in range(2):
+    got = jnp.concatenate(dec[r], 0)
+    full, _ = fwd(model, seq[r: r + 1, : pos[r]])
+    assert_close(got, full[0], rtol=1e-4, what=f"row {r}")
+
+
+def test_chunked_prefill_equals_one_prefill(model, tiny_cfg):
+  seq = _tokens(tiny_cfg, (2, 27), 4)
+  n = jnp.asarray([27, 27], jnp.int32)
+  one, _ = prefill(model, seq, n, model.init_cache(2, 32))
+  c = model.init_cache(2, 32)
+  first, c = prefill(model, seq[:, :13], jnp.asarray([13, 13], jnp.int32), c)
+  second, c = prefill(model, seq[:, 13:], jnp.asarray([14, 14], jnp.int32), c)
+  assert_close(jnp.concatenate([first, second], 1), one, rtol=1e-4, what="chunked prefill")
+
+
+def _image_inputs(cfg, seed):
+  rng = np.random.default_rng(seed)
+  p = cfg.vision.num_patches
+  tok = np.array(_tokens(cfg, (2, 2 * p + 9), seed))
+  tok[0, 3: 3 + p] = cfg.image_token_id          # row 0: one image
+  tok[1, 2: 2 + 2 * p] = cfg.image_token_id      # row 1: two images
+  v = cfg.vision
+  img = rng.normal(size=(2, 2, v.image_size, v.image_size, v.num_channels)).astype(np.float32)
+  return jnp.asarray(tok), jnp.asarray(img)
+
+
+def test_images_replace_placeholders_without_leakage(model, tiny_cfg):
+  tok, img = _image_inputs(tiny_cfg, 5)
+  logits, _ = fwd(model, tok, images=img)
+  assert logits.shape == (2, tok.shape[1], tiny_cfg.vocab_size)
+  # Changing row 1's images leaves row 0 alone; row 0's second image is unused.
+  img2 = img.at[1].set(-img[1]).at[0, 1].set(img[0, 1] * 3)
+  logits2, _ = fwd(model, tok, images=img2)
+  assert_close(logits2[0], logits[0], what="row 0 unaffected")
+  assert float(jnp.max(jnp.abs(logits2[1] - logits[1]))) > 1e-3
+  # Text-only tokens before the first placeholder are unaffected by images.
+  text_only, _ = fwd(model, tok)
+  assert_close(logits[1, :2], text_only[1, :2], what="causal before image")
+
+
+def test_gradient_flows_into_vision_encoder(model, tiny_cfg):
+  tok, img = _image_inputs(tiny_cfg, 6)
+
+  @nnx.jit
+  def grad(m):
+    return nnx.grad(lambda m: _ce(m(tok, images=img)[0], tok))(m)
+
+  grads = grad(model)
+  vis = jax.tree.leaves(nnx.state(grads, nnx.Param)["vision"])
+  assert vis and all(np.all(np.isfinite(g)) for g in vis)
+  assert sum(float(jnp.sum(jnp.abs(g))) for g in vis) > 0
+
+
+def test_too_many_placeholders_is_a_clear_error(model, tiny_cfg):
+  tok, img = _image_inputs(tiny_cfg, 7)
+  with pytest.raises(ValueError, match="image placeholder tokens"):
+    model(tok, images=img[:, :1])  # eager: the check needs concrete tokens
+
+
+def test_remat_matches_no_remat(tiny_cfg, model):
+  tok = _tokens(tiny_cfg, (2, 21), 8)
+
+  @nnx.jit
+  def loss_and_grad(m):
+    def loss(m):
+      lg, aux = m(tok)
+      return _ce(lg, tok) + aux["indexer_loss"]
+
+    return nnx.value_and_grad(loss)(m)
+
+  l0, g0 = loss_and_grad(model)
+  l1, g1 = loss_and_grad(_like(model, tiny_cfg.replace(remat="full")))
+  assert_close(l1, l0, what="loss")
+  leaves = lambda g: jax.tree.leaves(nnx.state(g, nnx.Param))
+  for a, b in zip(leaves(g1), leaves(g0), strict=True):
+    assert_close(a, b, what="grad")
+
+
+def test_bf16_compute_close_to_f32(tiny_cfg, model):
+  """bf16 compute (f32 params) gives f32 logits and the f32 model's loss.
+
+  Logits are compared through the loss: discrete choices (indexer top-k, expert
+  routing) may flip on near-ties under bf16 rounding, which moves individual
+  logits by more than bf16 precision without being a bug.
+  """
+  tok = _tokens(tiny_cfg, (2, 17), 9)
+  ref, _ = fwd(model, tok)
+  got, _ = fwd(_like(model, tiny_cfg.replace(dtype="bfloat16")), tok)
+  assert got.dtype == jnp.float32 and np.all(np.isfinite(got))
+  assert_close(_ce(got, tok), _ce(ref, tok), dtype="bfloat16", what="bf16 loss")
+
+
+def test_bad_token_shapes(model):
+  with pytest.raises(ValueError, match="tokens"):
+    fwd(model, jnp.zeros((3,), jnp.int32))
+  with pytest.raises(ValueError, match="segment_ids"):
+    fwd(model, jnp.zeros((2, 5), jnp.int32), None, jnp.ones((2, 4), jnp.int32))
