@@ -13,6 +13,7 @@ import math
 
 from flax import nnx
 
+from model.attention.dsa import GatedDSA
 from model.config import ModelConfig
 from model.decoder import abstract_model
 
@@ -34,7 +35,7 @@ def _component(path: tuple, axes: tuple, kinds: tuple, ffn_kinds: tuple) -> str:
   if keys[2] == "attn":
     if kinds[layer] == "delta":
       return "delta_attention"
-    return "indexer" if any("index" in k or k.startswith("idx") for k in keys[3:]) else "dsa_attention"
+    return "indexer" if keys[3] in GatedDSA.INDEXER_PARAMS else "dsa_attention"
   if ffn_kinds[layer] == "dense":
     return "dense_ffn"
   if len(axes) == 3 and axes[0] == "expert":

@@ -63,6 +63,7 @@ def test_full_matches_design_targets():
   assert cfg.num_layers == 93 and cfg.index_topk == 2048 and cfg.max_seq_len == 1_048_576
   assert abs(res["total"] / 2.80e12 - 1) <= 0.01, res["total"]
   assert abs(res["active"] / 104e9 - 1) <= 0.01, res["active"]
+  assert all(n > 0 for n in res["components"].values()), res["components"]
 
 
 def test_param_count_cli_last_line_is_json():

@@ -1,0 +1,420 @@
+"""Gather-based sparse attention primitives for Gated DSA.
+
+DeepSeek Sparse Attention (DeepSeek-AI, "DeepSeek-V3.2-Exp: Boosting Long-Context
+Efficiency with DeepSeek Sparse Attention", 2025) lets each query attend to the
+`topk` keys chosen by a cheap "lightning indexer", I[t,s] = sum_h w[t,h] *
+relu(q[t,h] . k[s]), so the main attention costs O(N*k) instead of O(N^2).
+Public JAX code builds the full N x N indexer matrix and an N x N mask and then
+runs dense attention; that is still quadratic in memory. Here nothing of size
+N x N exists:
+
+* `blockwise_topk` scores keys block by block and keeps a running top-k per
+  query (merged with `lax.top_k`), so its peak memory is O(N*k) plus one
+  query_block x key_block x heads score tile;
+  key blocks that lie entirely in a query block's causal future (or hold no
+  key of the query block's segments) are skipped with a dynamic trip count.
+* `sparse_mqa_attention` gathers only the selected latent rows, one query
+  block at a time, under `jax.checkpoint`, so neither the forward nor the
+  backward pass holds more than one block's gathered N_block x k x c slab.
+
+The attention is MQA over the MLA latent in absorbed form (DeepSeek-V2, Liu et
+al. 2024, sec. 2.1): one latent + one RoPE key per token is all that is read
+and all that a decode cache stores.
+
+The dense functions (`allowed_mask`, `indexer_scores_dense`,
+`dense_mqa_attention`) are plain references for tests and for the indexer's
+dense warm-up stage only.
+
+Einsum legend: b batch, t query, s key, h heads (main or indexer), k indexer
+head dim, c latent (kv_lora) dim, p RoPE dim, j selected top-k slot.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from model.layers import einsum
+
+_NEG_INF = float("-inf")
+_INT_MAX = jnp.iinfo(jnp.int32).max
+_INT_MIN = jnp.iinfo(jnp.int32).min
+
+
+# ---------------------------------------------------------------------------
+# Small shared helpers.
+# ---------------------------------------------------------------------------
+def _einsum_f32(spec: str, x: jax.Array, y: jax.Array) -> jax.Array:
+  """einsum with inputs in x's (compute) dtype and an f32 result.
+
+  Attention logits and indexer scores feed softmax / top-k, which we keep in
+  f32 (model.layers.einsum would round the result back to the compute dtype).
+  """
+  return jnp.einsum(spec, x, y.astype(x.dtype), preferred_element_type=jnp.float32)
+
+
+def _cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+def _pad_axis1(x: jax.Array, size: int, value) -> jax.Array:
+  """Pads axis 1 of x up to `size` with `value`."""
+  extra = size - x.shape[1]
+  if extra == 0:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[1] = (0, extra)
+  return jnp.pad(x, widths, constant_values=value)
+
+
+def _to_blocks(x: jax.Array, block: int) -> jax.Array:
+  """[b, n*block, ...] -> [n, b, block, ...] (block index leading, for lax.map)."""
+  b, n = x.shape[0], x.shape[1] // block
+  return jnp.moveaxis(x.reshape((b, n, block) + x.shape[2:]), 1, 0)
+
+
+def _from_blocks(x: jax.Array) -> jax.Array:
+  """[n, b, block, ...] -> [b, n*block, ...]."""
+  x = jnp.moveaxis(x, 0, 1)
+  return x.reshape((x.shape[0], x.shape[1] * x.shape[2]) + x.shape[3:])
+
+
+def _gather_rows(x: jax.Array, idx: jax.Array) -> jax.Array:
+  """x [b, s, ...], idx [b, t, j] -> x[b, idx] [b, t, j, ...]."""
+  return jax.vmap(lambda xb, ib: jnp.take(xb, ib, axis=0, mode="clip"))(x, idx)
+
+
+def masked_softmax(logits: jax.Array, mask: jax.Array) -> jax.Array:
+  """Softmax over the last axis restricted to `mask`, in f32.
+
+  A row with no allowed entry gives all zeros (not NaN). Masked entries are
+  replaced before exp, so their gradient is exactly zero, never inf * 0.
+  """
+  logits = logits.astype(jnp.float32)
+  m = jnp.max(jnp.where(mask, logits, _NEG_INF), axis=-1, keepdims=True)
+  m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+  e = jnp.where(mask, jnp.exp(jnp.where(mask, logits, m) - m), 0.0)
+  den = jnp.sum(e, axis=-1, keepdims=True)
+  return e / jnp.where(den > 0, den, 1.0)
+
+
+def masked_log_softmax(logits: jax.Array, mask: jax.Array) -> jax.Array:
+  """log-softmax over the last axis restricted to `mask` (f32); 0 where masked."""
+  logits = logits.astype(jnp.float32)
+  m = jnp.max(jnp.where(mask, logits, _NEG_INF), axis=-1, keepdims=True)
+  m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+  shifted = jnp.where(mask, logits, m) - m
+  den = jnp.sum(jnp.where(mask, jnp.exp(shifted), 0.0), axis=-1, keepdims=True)
+  return jnp.where(mask, shifted - jnp.log(jnp.where(den > 0, den, 1.0)), 0.0)
+
+
+def indexer_kl(p_target: jax.Array, logits: jax.Array, mask: jax.Array) -> jax.Array:
+  """Mean over query rows of KL(p_target || softmax_mask(logits)).
+
+  The indexer's training signal (DeepSeek-V3.2-Exp sec. 2.1): the head-summed,
+  L1-normalised main-attention distribution is the target, and it is
+  stop_gradient'ed so the indexer loss never moves the main model. Rows with
+  no allowed entry (padding) are left out of the mean.
+
+  Args:
+    p_target: [b, t, n] target distribution (rows sum to 1 over `mask`).
+    logits: [b, t, n] indexer scores.
+    mask: [b, t, n] bool, entries that take part.
+
+  Returns:
+    f32 scalar.
+  """
+  p = jax.lax.stop_gradient(p_target.astype(jnp.float32))
+  logq = masked_log_softmax(logits, mask)
+  keep = mask & (p > 0)
+  logp = jnp.log(jnp.where(keep, p, 1.0))
+  kl_row = jnp.sum(jnp.where(keep, p * (logp - logq), 0.0), axis=-1)
+  rows = jnp.any(mask, axis=-1)
+  return jnp.sum(jnp.where(rows, kl_row, 0.0)) / jnp.maximum(jnp.sum(rows), 1)
+
+
+def _need(cond: bool, msg: str) -> None:
+  if not cond:
+    raise ValueError(msg)
+
+
+# ---------------------------------------------------------------------------
+# Indexer: dense reference and blockwise top-k.
+# ---------------------------------------------------------------------------
+def allowed_mask(q_pos: jax.Array, q_seg: jax.Array, k_pos: jax.Array, k_seg: jax.Array) -> jax.Array:
+  """Dense reference mask [b, t, s]: same segment, key not in the future, k_seg >= 0."""
+  same = k_seg[:, None, :] == q_seg[:, :, None]
+  return same & (k_seg[:, None, :] >= 0) & (k_pos[:, None, :] <= q_pos[:, :, None])
+
+
+def _index_scores(q_idx: jax.Array, w_idx: jax.Array, k_idx: jax.Array) -> jax.Array:
+  """I[b,t,s] = sum_h w[b,t,h] relu(q[b,t,h] . k[b,s]) in f32 (any s)."""
+  dots = _einsum_f32("bthk,bsk->bths", q_idx, k_idx)
+  return jnp.einsum("bths,bth->bts", jax.nn.relu(dots), w_idx.astype(jnp.float32))
+
+
+def indexer_scores_dense(q_idx: jax.Array, w_idx: jax.Array, k_idx: jax.Array) -> jax.Array:
+  """Dense lightning-indexer scores (reference; builds the full matrix).
+
+  Args:
+    q_idx: [b, t, h, k] indexer queries.
+    w_idx: [b, t, h] per-head weights.
+    k_idx: [b, s, k] indexer keys (one per token, shared by the heads).
+
+  Returns:
+    [b, t, s] f32 scores, unmasked.
+  """
+  return _index_scores(q_idx, w_idx, k_idx)
+
+
+def _check_topk_args(q_idx, w_idx, k_idx, q_pos, q_seg, k_pos, k_seg, topk, query_block, key_block):
+  _need(q_idx.ndim == 4, f"blockwise_topk: q_idx must be [b, t, heads, dim], got shape {q_idx.shape}.")
+  b, t, h, k = q_idx.shape
+  _need(b > 0 and t > 0 and k_idx.ndim == 3 and k_idx.shape[1] > 0,
+        f"blockwise_topk: need at least one query and one key, got q_idx {q_idx.shape}, "
+        f"k_idx {k_idx.shape}.")
+  _need(w_idx.shape == (b, t, h),
+        f"blockwise_topk: w_idx must be [b, t, heads]={(b, t, h)}, got {w_idx.shape}.")
+  _need(k_idx.ndim == 3 and k_idx.shape[0] == b and k_idx.shape[2] == k,
+        f"blockwise_topk: k_idx must be [b={b}, s, dim={k}], got {k_idx.shape}.")
+  s = k_idx.shape[1]
+  for name, arr, want in (("q_pos", q_pos, (b, t)), ("q_seg", q_seg, (b, t)),
+                          ("k_pos", k_pos, (b, s)), ("k_seg", k_seg, (b, s))):
+    _need(arr.shape == want, f"blockwise_topk: {name} must have shape {want}, got {arr.shape}.")
+    _need(jnp.issubdtype(arr.dtype, jnp.integer),
+          f"blockwise_topk: {name} must be an integer array, got {arr.dtype}.")
+  for name, val in (("topk", topk), ("query_block", query_block), ("key_block", key_block)):
+    _need(isinstance(val, int) and val > 0, f"blockwise_topk: {name}={val!r} must be a positive int.")
+
+
+def _block_stats(pos: jax.Array, seg: jax.Array, block: int):
+  """Per block (over batch too): min/max position and segment of entries with seg >= 0.
+
+  pos, seg: [b, n*block]. Returns four int32 [n] arrays; a block with no live
+  entry gets (INT_MAX, INT_MIN, INT_MAX, INT_MIN) so it never looks needed.
+  """
+  live = seg >= 0
+  def red(x, fill, fn):
+    x = jnp.where(live, x, fill).reshape(x.shape[0], -1, block)
+    return fn(fn(x, axis=2), axis=0)
+  return (red(pos, _INT_MAX, jnp.min), red(pos, _INT_MIN, jnp.max),
+          red(seg, _INT_MAX, jnp.min), red(seg, _INT_MIN, jnp.max))
+
+
+def _needed_blocks(q_pos, q_seg, k_pos, k_seg, qb: int, kb: int) -> jax.Array:
+  """[nq, nk] bool: key block j may hold an allowed key for query block i.
+
+  Conservative (a superset) from block-level min/max of positions and segment
+  ids; the exact mask is applied inside the block. It is the block grid, far
+  smaller than N x N.
+  """
+  _, qpos_max, qseg_min, qseg_max = _block_stats(q_pos, q_seg, qb)
+  kpos_min, _, kseg_min, kseg_max = _block_stats(k_pos, k_seg, kb)
+  return ((kpos_min[None, :] <= qpos_max[:, None]) & (kseg_min[None, :] <= qseg_max[:, None])
+          & (kseg_max[None, :] >= qseg_min[:, None]))
+
+
+def _topk_query_block(q, w, qp, qs, k_idx, k_pos, k_seg, needed, topk: int, kb: int):
+  """Running top-k over the needed key blocks for one query block.
+
+  q [b,qb,h,k], w [b,qb,h], qp/qs [b,qb]; k_idx [b,S,k], k_pos/k_seg [b,S]
+  (S a multiple of kb); needed [nk] bool. Returns vals [b,qb,topk] f32 and
+  idx [b,qb,topk] int32.
+  """
+  b, qb = qp.shape
+  nk = needed.shape[0]
+  any_needed = jnp.any(needed)
+  lo = jnp.where(any_needed, jnp.argmax(needed), 0)
+  hi = jnp.where(any_needed, nk - jnp.argmax(needed[::-1]), 0)
+
+  def merge(j, carry):
+    vals, idx = carry
+    start = j * kb
+    kk = jax.lax.dynamic_slice_in_dim(k_idx, start, kb, axis=1)
+    kp = jax.lax.dynamic_slice_in_dim(k_pos, start, kb, axis=1)
+    ks = jax.lax.dynamic_slice_in_dim(k_seg, start, kb, axis=1)
+    scores = jnp.where(allowed_mask(qp, qs, kp, ks), _index_scores(q, w, kk), _NEG_INF)
+    ids = jnp.broadcast_to(start + jnp.arange(kb, dtype=jnp.int32), (b, qb, kb))
+    vals, pick = jax.lax.top_k(jnp.concatenate([vals, scores], axis=-1), topk)
+    idx = jnp.take_along_axis(jnp.concatenate([idx, ids], axis=-1), pick, axis=-1)
+    return vals, idx
+
+  def body(j, carry):
+    return jax.lax.cond(needed[j], merge, lambda _, c: c, j, carry)
+
+  init = (jnp.full((b, qb, topk), _NEG_INF, jnp.float32), jnp.zeros((b, qb, topk), jnp.int32))
+  return jax.lax.fori_loop(lo, hi, body, init)
+
+
+def blockwise_topk(q_idx: jax.Array, w_idx: jax.Array, k_idx: jax.Array, q_pos: jax.Array,
+                   q_seg: jax.Array, k_pos: jax.Array, k_seg: jax.Array, topk: int,
+                   query_block: int, key_block: int) -> tuple[jax.Array, jax.Array]:
+  """Top-k keys per query under the lightning-indexer score, without an N x N matrix.
+
+  Key s is allowed for query t iff k_seg[s] == q_seg[t], k_seg[s] >= 0 and
+  k_pos[s] <= q_pos[t] (so negative k_seg marks unfilled cache slots). For
+  each query block, key blocks are scored in turn and merged into a running
+  top-k with `lax.top_k`; key blocks that cannot hold an allowed key are
+  skipped. No gradient flows through the selection. Ties: lax.top_k's
+  (lower position first) order.
+
+  Args:
+    q_idx: [b, t, h, k] indexer queries.
+    w_idx: [b, t, h] indexer head weights.
+    k_idx: [b, s, k] indexer keys.
+    q_pos, q_seg: [b, t] int query positions and segment ids.
+    k_pos, k_seg: [b, s] int key positions and segment ids.
+    topk: slots per query (may exceed the number of allowed keys).
+    query_block, key_block: block sizes (capped at t and s; t and s are padded
+      to block multiples internally).
+
+  Returns:
+    idx [b, t, topk] int32 key indices (0 where invalid) and valid
+    [b, t, topk] bool (False for slots beyond the allowed keys).
+  """
+  _check_topk_args(q_idx, w_idx, k_idx, q_pos, q_seg, k_pos, k_seg, topk, query_block, key_block)
+  t, s = q_idx.shape[1], k_idx.shape[1]
+  qb, kb = min(query_block, t), min(key_block, s)
+  tp, sp = _cdiv(t, qb) * qb, _cdiv(s, kb) * kb
+  sg = jax.lax.stop_gradient
+  q_idx, w_idx = _pad_axis1(sg(q_idx), tp, 0), _pad_axis1(sg(w_idx), tp, 0)
+  q_pos, q_seg = _pad_axis1(q_pos.astype(jnp.int32), tp, 0), _pad_axis1(q_seg.astype(jnp.int32), tp, -1)
+  k_idx = _pad_axis1(sg(k_idx), sp, 0)
+  k_pos, k_seg = _pad_axis1(k_pos.astype(jnp.int32), sp, 0), _pad_axis1(k_seg.astype(jnp.int32), sp, -1)
+  needed = _needed_blocks(q_pos, q_seg, k_pos, k_seg, qb, kb)
+
+  def one_block(args):
+    q, w, qp, qs, nd = args
+    return _topk_query_block(q, w, qp, qs, k_idx, k_pos, k_seg, nd, topk, kb)
+
+  blocks = (_to_blocks(q_idx, qb), _to_blocks(w_idx, qb), _to_blocks(q_pos, qb),
+            _to_blocks(q_seg, qb), needed)
+  vals, idx = jax.lax.map(one_block, blocks)
+  vals, idx = _from_blocks(vals)[:, :t], _from_blocks(idx)[:, :t]
+  valid = vals > _NEG_INF
+  return jnp.where(valid, idx, 0), valid
+
+
+def selected_indexer_scores(q_idx: jax.Array, w_idx: jax.Array, k_idx: jax.Array, idx: jax.Array,
+                            query_block: int) -> jax.Array:
+  """Indexer scores of the selected keys only, differentiable (for the sparse-stage loss).
+
+  Query-blocked under jax.checkpoint so no [t, topk, k] slab of gathered keys
+  lives at once, in the forward or the backward pass.
+
+  Args:
+    q_idx: [b, t, h, k]; w_idx: [b, t, h]; k_idx: [b, s, k].
+    idx: [b, t, j] selected key indices (in [0, s)).
+    query_block: queries per block (capped at t).
+
+  Returns:
+    [b, t, j] f32 scores I[t, idx[t, j]].
+  """
+  b, t, h, k = q_idx.shape
+  _need(w_idx.shape == (b, t, h) and k_idx.ndim == 3 and k_idx.shape[2] == k and idx.shape[:2] == (b, t),
+        f"selected_indexer_scores: shapes q_idx {q_idx.shape}, w_idx {w_idx.shape}, "
+        f"k_idx {k_idx.shape}, idx {idx.shape} do not match [b,t,h,k], [b,t,h], [b,s,k], [b,t,j].")
+  qb = min(query_block, t)
+  tp = _cdiv(t, qb) * qb
+
+  def body(args):
+    q, w, ix = args
+    dots = _einsum_f32("bthk,btjk->bthj", q, _gather_rows(k_idx, ix))
+    return jnp.einsum("bthj,bth->btj", jax.nn.relu(dots), w.astype(jnp.float32))
+
+  blocks = (_to_blocks(_pad_axis1(q_idx, tp, 0), qb), _to_blocks(_pad_axis1(w_idx, tp, 0), qb),
+            _to_blocks(_pad_axis1(idx, tp, 0), qb))
+  out = jax.lax.map(jax.checkpoint(body, prevent_cse=False), blocks)
+  return _from_blocks(out)[:, :t]
+
+
+# ---------------------------------------------------------------------------
+# Main attention: MQA over the MLA latent, sparse and dense reference.
+# ---------------------------------------------------------------------------
+def _check_mqa_args(fn: str, q_lat, q_rope, latent, k_rope) -> tuple[int, int, int, int]:
+  _need(q_lat.ndim == 4, f"{fn}: q_lat must be [b, t, heads, latent], got shape {q_lat.shape}.")
+  b, t, h, c = q_lat.shape
+  _need(q_rope.ndim == 4 and q_rope.shape[:3] == (b, t, h),
+        f"{fn}: q_rope must be [b={b}, t={t}, heads={h}, rope], got {q_rope.shape}.")
+  _need(latent.ndim == 3 and latent.shape[0] == b and latent.shape[2] == c,
+        f"{fn}: latent must be [b={b}, s, latent={c}], got {latent.shape}.")
+  s = latent.shape[1]
+  _need(k_rope.shape == (b, s, q_rope.shape[3]),
+        f"{fn}: k_rope must be [b, s, rope]={(b, s, q_rope.shape[3])}, got {k_rope.shape}.")
+  return b, t, h, s
+
+
+def _head_summed(p: jax.Array) -> jax.Array:
+  """[b, t, h, n] probabilities -> [b, t, n] summed over heads, L1-normalised (0 rows stay 0)."""
+  ps = jnp.sum(p, axis=2)
+  tot = jnp.sum(ps, axis=-1, keepdims=True)
+  return ps / jnp.where(tot > 0, tot, 1.0)
+
+
+def sparse_mqa_attention(q_lat: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array,
+                         idx: jax.Array, valid: jax.Array, scale: float,
+                         query_block: int) -> tuple[jax.Array, jax.Array]:
+  """MQA over the selected latent rows (absorbed MLA), query block by query block.
+
+  logit[t,h,j] = scale * (q_lat[t,h] . latent[idx[t,j]] + q_rope[t,h] . k_rope[idx[t,j]]),
+  softmax over the valid slots in f32, out[t,h] = sum_j p * latent[idx[t,j]].
+  The per-block body is checkpointed: the backward pass re-gathers instead of
+  keeping every block's [qb, j, c] slab.
+
+  Args:
+    q_lat: [b, t, h, c] absorbed queries (q_nope W_uk).
+    q_rope: [b, t, h, p] RoPE'd query part.
+    latent: [b, s, c] per-token latent (the cached MLA state).
+    k_rope: [b, s, p] per-token RoPE key, shared by all heads.
+    idx: [b, t, j] selected key indices; valid: [b, t, j] bool.
+    scale: softmax scale.
+    query_block: queries per block (capped at t).
+
+  Returns:
+    out_lat [b, t, h, c] in q_lat's dtype (zero for a row with no valid slot)
+    and p_sel [b, t, j] f32, the head-summed probabilities normalised to sum 1.
+  """
+  b, t, h, _ = _check_mqa_args("sparse_mqa_attention", q_lat, q_rope, latent, k_rope)
+  _need(idx.ndim == 3 and idx.shape[:2] == (b, t) and valid.shape == idx.shape,
+        f"sparse_mqa_attention: idx and valid must both be [b={b}, t={t}, topk], "
+        f"got {idx.shape} and {valid.shape}.")
+  _need(isinstance(query_block, int) and query_block > 0,
+        f"sparse_mqa_attention: query_block={query_block!r} must be a positive int.")
+  dtype = q_lat.dtype
+  qb = min(query_block, t)
+  tp = _cdiv(t, qb) * qb
+
+  def body(args):
+    ql, qr, ix, vd = args
+    g_lat = _gather_rows(latent, ix)  # [b, qb, j, c]
+    logits = (_einsum_f32("bthc,btjc->bthj", ql, g_lat)
+              + _einsum_f32("bthp,btjp->bthj", qr, _gather_rows(k_rope, ix))) * scale
+    p = masked_softmax(logits, vd[:, :, None, :])
+    out = einsum("bthj,btjc->bthc", p, g_lat, dtype)
+    return out, _head_summed(p)
+
+  blocks = (_to_blocks(_pad_axis1(q_lat, tp, 0), qb), _to_blocks(_pad_axis1(q_rope, tp, 0), qb),
+            _to_blocks(_pad_axis1(idx, tp, 0), qb), _to_blocks(_pad_axis1(valid, tp, False), qb))
+  out, p_sel = jax.lax.map(jax.checkpoint(body, prevent_cse=False), blocks)
+  return _from_blocks(out)[:, :t], _from_blocks(p_sel)[:, :t]
+
+
+def dense_mqa_attention(q_lat: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array,
+                        mask: jax.Array, scale: float) -> tuple[jax.Array, jax.Array]:
+  """Dense MQA over the latent with an explicit [b, t, s] mask (reference / warm-up).
+
+  Args:
+    q_lat: [b, t, h, c]; q_rope: [b, t, h, p]; latent: [b, s, c]; k_rope: [b, s, p].
+    mask: [b, t, s] bool.
+    scale: softmax scale.
+
+  Returns:
+    out_lat [b, t, h, c] and p [b, t, s] f32 head-summed, L1-normalised probabilities.
+  """
+  b, t, _, s = _check_mqa_args("dense_mqa_attention", q_lat, q_rope, latent, k_rope)
+  _need(mask.shape == (b, t, s), f"dense_mqa_attention: mask must be [b, t, s]={(b, t, s)}, "
+        f"got {mask.shape}.")
+  logits = (_einsum_f32("bthc,bsc->bths", q_lat, latent)
+            + _einsum_f32("bthp,bsp->bths", q_rope, k_rope)) * scale
+  p = masked_softmax(logits, mask[:, :, None, :])
+  return einsum("bths,bsc->bthc", p, latent, q_lat.dtype), _head_summed(p)

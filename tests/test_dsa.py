@@ -1,0 +1,453 @@
+"""Tests for model/attention/sparse.py and model/attention/dsa.py (Gated DSA).
+
+Every fast path is checked against a plain dense reference on random, odd-sized
+inputs, forward and gradients, in f32. The layer reference below is written
+from the MLA equations in the non-absorbed form (explicit per-head keys
+[latent W_uk, k_rope] and values latent W_uv), independently of the layer.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.test_util import check_grads
+
+from model.attention import sparse
+from model.attention.dsa import GatedDSA
+from model.layers import apply_rope
+from tests.helpers import assert_close
+
+
+def _normal(seed, shape):
+  """Random f32 normal data (numpy: no compile per shape)."""
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, np.float32))
+
+
+def _segments(b, t, cuts):
+  """[b, t] segment ids: row r changes segment at each position in cuts[r]."""
+  seg = np.zeros((b, t), np.int32)
+  for r, cs in enumerate(cuts):
+    for c in cs:
+      seg[r, c:] += 1
+  return jnp.asarray(seg)
+
+
+def _positions(seg):
+  """Positions that restart at 0 at every segment start (packed sequences)."""
+  seg = np.asarray(seg)
+  pos = np.zeros(seg.shape, np.int32)
+  for i in range(1, seg.shape[1]):
+    pos[:, i] = np.where(seg[:, i] == seg[:, i - 1], pos[:, i - 1] + 1, 0)
+  return jnp.asarray(pos)
+
+
+def _seq(b, t):
+  return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+
+
+def _indexer_inputs(key, b, t, s, h=3, k=5):
+  return _normal(key, (b, t, h, k)), _normal(key + 1, (b, t, h)), _normal(key + 2, (b, s, k))
+
+
+# ---------------------------------------------------------------------------
+# sparse.py
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("b,t,s,topk,qb,kb", [
+    (2, 37, 37, 16, 8, 16), (2, 37, 37, 16, 16, 8), (1, 37, 37, 16, 5, 7),
+    (1, 23, 41, 9, 64, 64), (2, 19, 19, 3, 4, 32)])
+def test_blockwise_topk_matches_dense(b, t, s, topk, qb, kb):
+  q, w, k = _indexer_inputs(0, b, t, s)
+  q_pos, k_pos = _seq(b, t) + (s - t), _seq(b, s)
+  q_seg = _segments(b, t, [[9], [20]][:b])
+  k_seg = _segments(b, s, [[9 + s - t], [20 + s - t]][:b])
+
+  @jax.jit
+  def run(q, w, k):
+    idx, valid = sparse.blockwise_topk(q, w, k, q_pos, q_seg, k_pos, k_seg, topk, qb, kb)
+    mask = sparse.allowed_mask(q_pos, q_seg, k_pos, k_seg)
+    scores = sparse.indexer_scores_dense(q, w, k)
+    ref_vals = jax.lax.top_k(jnp.where(mask, scores, -jnp.inf), topk)[0]
+    return idx, valid, mask, ref_vals, jnp.take_along_axis(scores, idx, axis=-1)
+
+  idx, valid, mask, ref_vals, got = run(q, w, k)
+  assert idx.shape == (b, t, topk) and idx.dtype == jnp.int32 and valid.shape == (b, t, topk)
+  n_allowed = mask.sum(-1)
+  np.testing.assert_array_equal(valid.sum(-1), jnp.minimum(n_allowed, topk))
+  assert bool(jnp.all(jnp.take_along_axis(mask, idx, axis=-1) | ~valid)), "selected a masked key"
+  got_sorted = -jnp.sort(-jnp.where(valid, got, -jnp.inf), axis=-1)
+  ok = jnp.isfinite(ref_vals)
+  np.testing.assert_array_equal(jnp.isfinite(got_sorted), ok)
+  assert_close(jnp.where(ok, got_sorted, 0), jnp.where(ok, ref_vals, 0), what="top-k score values")
+  for r in range(b):  # the selected keys are distinct
+    for i in range(t):
+      sel = np.asarray(idx[r, i])[np.asarray(valid[r, i])]
+      assert len(set(sel.tolist())) == len(sel)
+
+
+def test_blockwise_topk_more_slots_than_keys_and_cache_slots():
+  """topk > allowed keys: extra slots invalid; k_seg < 0 (unfilled cache) never picked."""
+  b, t, s = 2, 3, 29
+  q, w, k = _indexer_inputs(10, b, t, s)
+  lengths = jnp.array([11, 17])
+  q_pos = lengths[:, None] - t + jnp.arange(t)
+  k_pos = _seq(b, s)
+  k_seg = jnp.where(k_pos < lengths[:, None], 0, -1)
+  topk = jax.jit(sparse.blockwise_topk, static_argnums=(7, 8, 9))
+  idx, valid = topk(q, w, k, q_pos, jnp.zeros((b, t), jnp.int32), k_pos, k_seg, 32, 2, 8)
+  np.testing.assert_array_equal(valid.sum(-1), q_pos + 1)
+  assert bool(jnp.all(jnp.where(valid, idx <= q_pos[..., None], True)))
+  assert bool(jnp.all(jnp.where(valid, 0, idx) == 0))
+
+
+def _selected_mask(idx, valid, s):
+  return jnp.any((idx[..., None] == jnp.arange(s)) & valid[..., None], axis=2)
+
+
+def _mqa_case(b=2, t=37, s=37, h=3, c=7, p=4, topk=16, seed=20):
+  q_lat, q_rope = _normal(seed, (b, t, h, c)), _normal(seed + 1, (b, t, h, p))
+  latent, k_rope = _normal(seed + 2, (b, s, c)), _normal(seed + 3, (b, s, p))
+  qi, wi, ki = _indexer_inputs(seed + 4, b, t, s)
+  q_seg = _segments(b, t, [[12], [30]][:b]).at[0, -2:].set(-1)  # padded queries: no key
+  k_seg = q_seg if s == t else jnp.zeros((b, s), jnp.int32)
+  topk_fn = jax.jit(sparse.blockwise_topk, static_argnums=(7, 8, 9))
+  idx, valid = topk_fn(qi, wi, ki, _seq(b, t), q_seg, _seq(b, s), k_seg, topk, 8, 16)
+  return (q_lat, q_rope, latent, k_rope), idx, valid
+
+
+def test_sparse_mqa_matches_dense_on_selected_set():
+  args, idx, valid = _mqa_case()
+  s, scale = args[2].shape[1], 0.37
+  mask = _selected_mask(idx, valid, s)
+  cot = _normal(99, args[0].shape)
+
+  cot_p = _normal(98, idx.shape)
+
+  def fast(*a):
+    return sparse.sparse_mqa_attention(*a, idx, valid, scale, 8)
+
+  def ref(*a):
+    out, p = sparse.dense_mqa_attention(*a, mask, scale)
+    return out, jnp.where(valid, jnp.take_along_axis(p, idx, axis=-1), 0.0)
+
+  def run(f):
+    loss = lambda *a: (jnp.sum(f(*a)[0] * cot) + jnp.sum(f(*a)[1] * cot_p), f(*a))
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(*args)
+
+  (_, (out, p_sel)), g = run(fast)
+  (_, (out_r, p_r)), g_r = run(ref)
+  assert_close(out, out_r, what="out_lat")
+  assert_close(p_sel, p_r, what="p_sel")
+  assert float(jnp.abs(out[0, -2:]).max()) == 0.0  # rows with no valid slot
+  np.testing.assert_allclose(p_sel.sum(-1)[valid.any(-1)], 1.0, rtol=1e-5)
+  for name, a, e in zip(("q_lat", "q_rope", "latent", "k_rope"), g, g_r, strict=True):
+    assert_close(a, e, what=f"grad {name}")
+
+
+def test_sparse_mqa_check_grads():
+  args, idx, valid = _mqa_case(b=1, t=5, s=6, h=2, c=3, p=2, topk=4, seed=40)
+  f = lambda *a: sparse.sparse_mqa_attention(*a, idx, valid, 0.5, 2)[0]
+  check_grads(jax.jit(f), args, order=1, modes=["rev"], eps=1e-3)
+
+
+def test_selected_indexer_scores_matches_dense():
+  b, t, s = 2, 13, 17
+  q, w, k = _indexer_inputs(50, b, t, s)
+  idx = jnp.asarray(np.random.default_rng(51).integers(0, s, (b, t, 6), np.int32))
+  cot = _normal(52, (b, t, 6))
+  fast = lambda q, w, k: sparse.selected_indexer_scores(q, w, k, idx, 4)
+  ref = lambda q, w, k: jnp.take_along_axis(sparse.indexer_scores_dense(q, w, k), idx, axis=-1)
+  def run(f):
+    loss = lambda *a: (jnp.sum(f(*a) * cot), f(*a))
+    return jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(q, w, k)
+
+  (got, g), (want, g_r) = run(fast), run(ref)
+  assert_close(got[1], want[1], what="scores")
+  for a, e in zip(g, g_r, strict=True):
+    assert_close(a, e, what="score grads")
+
+
+def test_sparse_bad_shapes():
+  q, w, k = _indexer_inputs(0, 1, 5, 5)
+  pos = _seq(1, 5)
+  with pytest.raises(ValueError, match="w_idx"):
+    sparse.blockwise_topk(q, w[:, :, :2], k, pos, pos, pos, pos, 2, 4, 4)
+  with pytest.raises(ValueError, match="k_pos"):
+    sparse.blockwise_topk(q, w, k, pos, pos, pos[:, :3], pos, 2, 4, 4)
+  with pytest.raises(ValueError, match="topk"):
+    sparse.blockwise_topk(q, w, k, pos, pos, pos, pos, 0, 4, 4)
+  (ql, qr, lat, kr), idx, valid = _mqa_case(b=1, t=5, s=6, h=2, c=3, p=2, topk=4)
+  with pytest.raises(ValueError, match="idx and valid"):
+    sparse.sparse_mqa_attention(ql, qr, lat, kr, idx[:, :3], valid, 1.0, 2)
+  with pytest.raises(ValueError, match="k_rope"):
+    sparse.sparse_mqa_attention(ql, qr, lat, kr[..., :1], idx, valid, 1.0, 2)
+
+
+# ---------------------------------------------------------------------------
+# Layer: independent dense reference (non-absorbed MLA).
+# ---------------------------------------------------------------------------
+def _rms(x, scale, eps):
+  return x / jnp.sqrt(jnp.mean(x * x, -1, keepdims=True) + eps) * scale
+
+
+def _ref_cq(p, x, cfg):
+  return _rms(x @ p["w_dq"], p["q_norm"]["scale"], cfg.norm_eps)
+
+
+def ref_index_scores(p, x, pos, cfg):
+  """I[t,s] = sum_j w[t,j] relu(q_I[t,j] . k_I[s]) from the params, [b, t, s]."""
+  r = cfg.qk_rope_dim
+  qi = jnp.einsum("btr,rhk->bthk", _ref_cq(p, x, cfg), p["w_qi"])
+  qi = jnp.concatenate([apply_rope(qi[..., :r], pos, cfg.rope_theta), qi[..., r:]], -1)
+  ki = x @ p["w_ki"]
+  mu, var = ki.mean(-1, keepdims=True), ki.var(-1, keepdims=True)
+  ki = (ki - mu) / jnp.sqrt(var + cfg.norm_eps) * p["index_k_norm"]["scale"] + p["index_k_norm"]["bias"]
+  ki = jnp.concatenate([apply_rope(ki[..., :r], pos, cfg.rope_theta), ki[..., r:]], -1)
+  w = x @ p["w_w"] / np.sqrt(cfg.index_heads)
+  return jnp.einsum("bth,bths->bts", w, jax.nn.relu(jnp.einsum("bthk,bsk->bths", qi, ki)))
+
+
+def ref_topk_mask(scores, mask, k):
+  """The reference top-k set as a [b, t, s] mask.
+
+  Exact ties (relu makes many scores exactly 0) go to the lower key index, as
+  lax.top_k and the layer do.
+  """
+  if k >= mask.shape[-1]:
+    return mask
+  ids = jax.lax.top_k(jnp.where(mask, scores, -jnp.inf), k)[1]
+  return mask & jnp.any(ids[..., None] == jnp.arange(mask.shape[-1]), axis=-2)
+
+
+@functools.partial(jax.jit, static_argnums=4)
+def _near_ties(p, x, pos, seg, cfg):
+  k, t = cfg.index_topk, x.shape[1]
+  causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+  mask = causal & (seg[:, :, None] == seg[:, None, :])
+  vals = jax.lax.top_k(jnp.where(mask, ref_index_scores(p, x, pos, cfg), -jnp.inf), k + 1)[0]
+  gap = vals[..., k - 1] - vals[..., k]
+  return jnp.any((gap > 0) & (gap < 1e-4))
+
+
+def assert_unambiguous_topk(p, x, pos, seg, cfg):
+  """A near-tie (not exact) at the k-th score would make the reference set ambiguous."""
+  if cfg.index_topk < x.shape[1]:
+    assert not bool(_near_ties(p, x, pos, seg, cfg)), "near-tie at the top-k boundary; change seed"
+
+
+def ref_layer(p, x, pos, seg, cfg, sparse_topk=True):
+  """Returns (y, head-summed attention probs [b,t,s], key mask [b,t,s])."""
+  nope, r, c = cfg.qk_nope_dim, cfg.qk_rope_dim, cfg.kv_lora_rank
+  b, t, _ = x.shape
+  q = jnp.einsum("btr,rhk->bthk", _ref_cq(p, x, cfg), p["w_uq"])
+  q = jnp.concatenate([q[..., :nope], apply_rope(q[..., nope:], pos, cfg.rope_theta)], -1)
+  kv = x @ p["w_dkv"]
+  lat = _rms(kv[..., :c], p["kv_norm"]["scale"], cfg.norm_eps)
+  k_pe = apply_rope(kv[..., c:], pos, cfg.rope_theta)
+  k = jnp.concatenate([jnp.einsum("btc,chk->bthk", lat, p["w_uk"]),
+                       jnp.broadcast_to(k_pe[:, :, None], (b, t, cfg.num_heads, r))], -1)
+  v = jnp.einsum("btc,chv->bthv", lat, p["w_uv"])
+  i = jnp.arange(t)
+  mask = (seg[:, :, None] == seg[:, None, :]) & (i[:, None] >= i[None, :])
+  if sparse_topk:
+    mask = ref_topk_mask(ref_index_scores(p, x, pos, cfg), mask, cfg.index_topk)
+  logits = jnp.einsum("bthk,bshk->bhts", q, k) / np.sqrt(nope + r)
+  prob = jax.nn.softmax(jnp.where(mask[:, None], logits, -jnp.inf), -1)
+  o = jnp.einsum("bhts,bshv->bthv", prob, v)
+  o = o * jax.nn.sigmoid(jnp.einsum("btd,dhv->bthv", x, p["w_g"]))
+  y = jnp.einsum("bthv,hvd->btd", o, p["w_o"])
+  return y, prob.sum(1) / cfg.num_heads, mask
+
+
+def ref_indexer_loss(p, x, pos, seg, cfg, sparse_topk):
+  _, prob, mask = ref_layer(p, x, pos, seg, cfg, sparse_topk)
+  logq = jax.nn.log_softmax(jnp.where(mask, ref_index_scores(p, x, pos, cfg), -jnp.inf), -1)
+  kl = jnp.where(mask, prob * (jnp.log(jnp.where(mask, prob, 1.0)) - jnp.where(mask, logq, 0.0)), 0.0)
+  return kl.sum(-1).mean()
+
+
+def _make(cfg, seed=0):
+  """(layer, graphdef, params, rest) with random parameters, split for functional calls.
+
+  Parameters are drawn with numpy (fan-in scaled; norm scales around 1 and
+  LayerNorm bias non-zero, so the norms' parameters are exercised too) into an
+  abstract layer: no compile per parameter shape.
+  """
+  abstract = nnx.eval_shape(lambda: GatedDSA(cfg, rngs=nnx.Rngs(0)))
+  graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+  rng = np.random.default_rng(seed)
+
+  def draw(path, a):
+    name, z = jax.tree_util.keystr(path), rng.standard_normal(a.shape, np.float32)
+    if "norm" in name:
+      return jnp.asarray((1.0 if "scale" in name else 0.0) + 0.2 * z)
+    return jnp.asarray(z / np.sqrt(np.prod(a.shape[:2]) if "w_o" in name else a.shape[0]))
+
+  nnx.replace_by_pure_dict(params, jax.tree_util.tree_map_with_path(draw, nnx.to_pure_dict(params)))
+  return nnx.merge(graphdef, params, rest), graphdef, params, rest
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _layer_fwd(graphdef, params, rest, x, pos, seg):
+  y, aux = nnx.merge(graphdef, params, rest)(x, pos, seg)
+  return y, aux["indexer_loss"]
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _layer_grads(graphdef, params, rest, x, pos, seg, cot):
+  """y, indexer loss, grads of sum(y * cot) and of the indexer loss wrt (params, x)."""
+  def f(ps, x, which):
+    y, loss = _layer_fwd(graphdef, ps, rest, x, pos, seg)
+    return (jnp.sum(y * cot), loss)[which], (y, loss)
+  (_, (y, loss)), g_y = jax.value_and_grad(f, (0, 1), has_aux=True)(params, x, 0)
+  g_loss = jax.grad(lambda ps, x: f(ps, x, 1)[0], (0, 1))(params, x)
+  return y, loss, g_y, g_loss
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _ref_grads(cfg, sparse_topk, p, x, pos, seg, cot):
+  """Reference y, indexer loss and grads of sum(y * cot) wrt (params, x)."""
+  def f(p, x):
+    y = ref_layer(p, x, pos, seg, cfg, sparse_topk)[0]
+    return jnp.sum(y * cot), y
+  (_, y), g = jax.value_and_grad(f, (0, 1), has_aux=True)(p, x)
+  return y, ref_indexer_loss(p, x, pos, seg, cfg, sparse_topk), g
+
+
+def _flat(tree):
+  return {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+@pytest.mark.parametrize("stage,t,segs", [("sparse", 13, []), ("sparse", 37, [15]),
+                                          ("dense_warmup", 37, [20])])
+def test_layer_matches_dense_reference(tiny_cfg, stage, t, segs):
+  """Sparse stage: t <= topk is plain causal MLA, t > topk is MLA masked to the
+  reference top-k set; dense warm-up stage: dense MLA. Forward, indexer loss,
+  gradients wrt every parameter and x."""
+  cfg = tiny_cfg.replace(indexer_stage=stage)
+  _, graphdef, params, rest = _make(cfg, seed=1)
+  b = 2
+  x = _normal(60 + t, (b, t, cfg.d_model))
+  seg = _segments(b, t, [segs, []])
+  pos = _positions(seg)
+  cot = _normal(7, x.shape)
+  p = nnx.to_pure_dict(params)
+  sparse_topk = stage == "sparse"
+  if sparse_topk:
+    assert_unambiguous_topk(p, x, pos, seg, cfg)
+  y, loss, (g_p, g_x), _ = _layer_grads(graphdef, params, rest, x, pos, seg, cot)
+  y_r, loss_r, (r_p, r_x) = _ref_grads(cfg, sparse_topk, p, x, pos, seg, cot)
+  assert_close(y, y_r, what="y")
+  assert_close(loss, loss_r, what="indexer loss")
+  assert_close(g_x, r_x, what="grad x")
+  g_p, r_p = _flat(nnx.to_pure_dict(g_p)), _flat(r_p)
+  assert g_p.keys() == r_p.keys()
+  for name in g_p:
+    assert_close(g_p[name], r_p[name], what=f"grad {name}")
+
+
+def test_layer_check_grads(tiny_cfg):
+  _, graphdef, params, rest = _make(tiny_cfg, seed=3)
+  x = _normal(80, (1, 5, tiny_cfg.d_model))
+  pos, seg = _seq(1, 5), jnp.zeros((1, 5), jnp.int32)
+  f = lambda x: _layer_fwd(graphdef, params, rest, x, pos, seg)[0]
+  check_grads(f, (x,), order=1, modes=["rev"], eps=1e-3)
+
+
+def test_packed_segments_do_not_mix(tiny_cfg):
+  """Two segments packed in one row == each segment run alone with positions from 0."""
+  _, graphdef, params, rest = _make(tiny_cfg, seed=4)
+  cut, t = 15, 37
+  x = _normal(90, (2, t, tiny_cfg.d_model))
+  seg = _segments(2, t, [[cut], [cut]])
+  y, _ = _layer_fwd(graphdef, params, rest, x, _positions(seg), seg)
+  # Alone: row 0 = segment A (+ trailing tokens it cannot see), row 1 = segment B.
+  x_alone = jnp.stack([x[0, :t - cut], x[0, cut:]])
+  y_alone, _ = _layer_fwd(graphdef, params, rest, x_alone, _seq(2, t - cut),
+                          jnp.zeros((2, t - cut), jnp.int32))
+  assert_close(y[0, :cut], y_alone[0, :cut], what="segment A")
+  assert_close(y[0, cut:], y_alone[1], what="segment B")
+
+
+@pytest.mark.parametrize("stage", ["sparse", "dense_warmup"])
+def test_indexer_loss_trains_only_the_indexer(tiny_cfg, stage):
+  cfg = tiny_cfg.replace(indexer_stage=stage)
+  _, graphdef, params, rest = _make(cfg, seed=5)
+  b, t = 2, 37
+  x, seg = _normal(100, (b, t, cfg.d_model)), _segments(b, t, [[11], []])
+  _, loss, _, (g_p, g_x) = _layer_grads(graphdef, params, rest, x, _positions(seg), seg,
+                                        jnp.ones_like(x))
+  assert np.isfinite(float(loss)) and float(loss) > 0
+  assert float(jnp.abs(g_x).max()) == 0.0
+  indexer = ("w_qi", "w_ki", "w_w", "index_k_norm")
+  for name, g in _flat(nnx.to_pure_dict(g_p)).items():
+    size = float(jnp.abs(g).max())
+    if any(n in name for n in indexer):
+      assert np.isfinite(size) and size > 0, f"indexer param {name} gets no gradient"
+    else:
+      assert size == 0.0, f"indexer loss leaks into {name}"
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _extend(graphdef, params, rest, x, valid, cache):
+  return nnx.merge(graphdef, params, rest).extend(x, valid, cache)
+
+
+def test_extend_whole_sequence_equals_call(tiny_cfg):
+  layer, graphdef, params, rest = _make(tiny_cfg, seed=6)
+  b, t = 2, 37
+  x = _normal(110, (b, t, tiny_cfg.d_model))
+  y, _ = _layer_fwd(graphdef, params, rest, x, _seq(b, t), jnp.zeros((b, t), jnp.int32))
+  y_ext, cache = _extend(graphdef, params, rest, x, jnp.ones((b, t), bool), layer.init_cache(b, 45))
+  assert_close(y_ext, y, what="extend vs call")
+  np.testing.assert_array_equal(cache.lengths, [t, t])
+  assert cache.latent.shape == (b, 45, tiny_cfg.kv_lora_rank)
+
+
+def test_prefill_then_decode_matches_call(tiny_cfg):
+  """Prompts of 13 and 4 tokens, sequences of 29 and 23: chunked prefill (two
+  chunks), then one token per step; rows that are done feed invalid tokens."""
+  layer, graphdef, params, rest = _make(tiny_cfg, seed=7)
+  total, prompt = np.array([29, 23]), np.array([13, 4])
+  # Tokens past a row's total are never fed; causality keeps them out of its reference outputs.
+  x_all = _normal(120, (2, 37, tiny_cfg.d_model))
+  y_ref, _ = _layer_fwd(graphdef, params, rest, x_all, _seq(2, 37), jnp.zeros((2, 37), jnp.int32))
+  cache = layer.init_cache(2, 40)
+  outs, fed = [[], []], np.zeros(2, int)
+  steps = total - prompt
+  chunks = [prompt - 2, np.array([2, 2])] + [(i < steps).astype(int) for i in range(steps.max())]
+  for chunk in chunks:  # chunk[r] = number of tokens row r feeds now
+    t = int(chunk.max())
+    x = jnp.stack([jnp.pad(x_all[r, fed[r]:fed[r] + chunk[r]], ((0, t - chunk[r]), (0, 0)))
+                   for r in range(2)])
+    y, cache = _extend(graphdef, params, rest, x, jnp.arange(t)[None] < jnp.asarray(chunk)[:, None], cache)
+    for r in range(2):
+      outs[r].append(y[r, :chunk[r]])
+    fed += chunk
+  np.testing.assert_array_equal(cache.lengths, total)
+  for r in range(2):
+    assert_close(jnp.concatenate(outs[r]), y_ref[r, :total[r]], rtol=1e-4, what=f"row {r}")
+
+
+def test_layer_bad_inputs(tiny_cfg):
+  layer = _make(tiny_cfg, seed=8)[0]
+  x = _normal(130, (1, 5, tiny_cfg.d_model))
+  pos, seg = _seq(1, 5), jnp.zeros((1, 5), jnp.int32)
+  with pytest.raises(ValueError, match="d_model"):
+    layer(x[..., :-1], pos, seg)
+  with pytest.raises(ValueError, match="positions"):
+    layer(x, pos[:, :4], seg)
+  with pytest.raises(ValueError, match="segment_ids"):
+    layer(x, pos, seg.astype(jnp.float32))
+  cache = layer.init_cache(1, 6)
+  with pytest.raises(ValueError, match="max_len"):
+    layer.extend(_normal(131, (1, 7, tiny_cfg.d_model)), jnp.ones((1, 7), bool), cache)
+  cache = cache.replace(lengths=jnp.array([5], jnp.int32))
+  with pytest.raises(ValueError, match="max_len"):
+    layer.extend(x[:, :2], jnp.ones((1, 2), bool), cache)
+  with pytest.raises(ValueError, match="batch"):
+    layer.extend(jnp.concatenate([x, x]), jnp.ones((2, 5), bool), cache)
+  with pytest.raises(ValueError, match="valid"):
+    layer.extend(x[:, :1], jnp.ones((1, 1), jnp.int32), cache)
