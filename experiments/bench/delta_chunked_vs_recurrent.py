@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments.bench.common import compiled_peak_bytes
 from model.attention.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
 
 SKIP_BYTES = 16 * 2 ** 30  # configs needing more than this (by memory_analysis) are not run
@@ -43,11 +44,6 @@ def _inputs(n: int, b: int, h: int, kd: int, vd: int, seed: int = 0):
   g = -rng.uniform(0.001, 0.1, (b, n, h)).astype(np.float32)
   beta = rng.uniform(0.0, 1.0, (b, n, h)).astype(np.float32)
   return tuple(jnp.asarray(x) for x in (q, k, v, g, beta))
-
-
-def _peak_bytes(compiled) -> int:
-  m = compiled.memory_analysis()
-  return int(m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes)
 
 
 def _time_interleaved(fns: dict, args, reps: int) -> dict:
@@ -87,7 +83,7 @@ def _bench_one(n: int, args: argparse.Namespace) -> dict:
   runnable = {}
   for name, fn in forms.items():
     compiled = fn.lower(*x).compile()
-    peak = _peak_bytes(compiled)
+    peak = compiled_peak_bytes(compiled)
     row[f"{name}_bytes"] = peak
     row[f"{name}_s"] = None
     if peak > SKIP_BYTES:

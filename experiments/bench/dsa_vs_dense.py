@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import jax
@@ -32,6 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from configs import horizon
+from experiments.bench.common import compiled_peak_bytes, median_seconds
 from model.attention import sparse
 from model.attention.dsa import GatedDSA
 from model.config import ModelConfig
@@ -92,18 +92,12 @@ def make_fns(layer: GatedDSA, dense: bool):
 def measure(fn, params, x, reps: int, limit_bytes: int, run: bool = True) -> dict:
   """Compiles ahead of time (excluded from timing), reads planned memory, times `reps` runs."""
   compiled = jax.jit(fn).lower(params, x).compile()
-  ma = compiled.memory_analysis()
-  peak = ma.temp_size_in_bytes + ma.argument_size_in_bytes + ma.output_size_in_bytes
+  peak = compiled_peak_bytes(compiled)
   if peak > limit_bytes:
     return {"peak": peak, "skipped": f"skipped: needs {peak / GIB:.1f} GiB"}
   if not run:
     return {"peak": peak, "skipped": "not run"}
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(compiled(params, x))
-    times.append(time.perf_counter() - t0)
-  return {"peak": peak, "time": statistics.median(times)}
+  return {"peak": peak, "time": median_seconds(compiled, (params, x), reps, warmup=False)}
 
 
 def _row(n, path, mode, r, ratio="", limit=""):

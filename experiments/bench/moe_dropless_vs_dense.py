@@ -19,12 +19,11 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
+from experiments.bench.common import compiled_peak_bytes, median_seconds
 from model import moe
 
 IMPLS = ("dense", "ragged_dot", "blocked")
@@ -57,17 +56,10 @@ def _fn(impl: str, mode: str, dtype, cot):
 def _measure(fn, args, reps: int, max_bytes: float):
   """(median seconds or None, bytes) for a jitted fn; None when over max_bytes."""
   compiled = fn.lower(*args).compile()
-  m = compiled.memory_analysis()
-  nbytes = m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
+  nbytes = compiled_peak_bytes(compiled)
   if nbytes > max_bytes:
     return None, nbytes
-  jax.block_until_ready(compiled(*args))  # warm-up
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(compiled(*args))
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times), nbytes
+  return median_seconds(compiled, args, reps), nbytes
 
 
 def run(a: argparse.Namespace) -> dict:
