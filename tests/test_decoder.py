@@ -182,3 +182,23 @@ def test_bad_token_shapes(model):
     fwd(model, jnp.zeros((3,), jnp.int32))
   with pytest.raises(ValueError, match="segment_ids"):
     fwd(model, jnp.zeros((2, 5), jnp.int32), None, jnp.ones((2, 4), jnp.int32))
+
+
+@pytest.mark.slow
+def test_small_prefill_decode_matches_forward_beyond_topk():
+  """`small` (f32) past its DSA top-k of 256: chunked prefill + decode == forward."""
+  from configs import horizon
+  from model.config import ModelConfig
+  cfg = ModelConfig.from_config(horizon.get_config("small").model).replace(dtype="float32")
+  m = build_model(cfg, seed=2)
+  seq = _tokens(cfg, (1, 300), 11)
+  full, _ = fwd(m, seq)
+  c = m.init_cache(1, 320)
+  a, c = prefill(m, seq[:, :150], jnp.asarray([150], jnp.int32), c)
+  b, c = prefill(m, seq[:, 150:290], jnp.asarray([140], jnp.int32), c)
+  steps = []
+  for i in range(290, 300):
+    lg, c = decode_step(m, seq[:, i], c)
+    steps.append(lg[:, None])
+  got = jnp.concatenate([a, b] + steps, 1)
+  assert_close(got, full, rtol=1e-4, what="small prefill+decode")
