@@ -63,6 +63,15 @@ def einsum(spec: str, x: jax.Array, w: jax.Array, dtype) -> jax.Array:
                     preferred_element_type=jnp.float32).astype(dtype)
 
 
+def einsum_f32(spec: str, x: jax.Array, y: jax.Array) -> jax.Array:
+  """einsum with inputs in x's (compute) dtype and the f32 result kept.
+
+  For attention logits and indexer scores, which feed softmax / top-k in f32
+  (`einsum` would round the result back to the compute dtype).
+  """
+  return jnp.einsum(spec, x, y.astype(x.dtype), preferred_element_type=jnp.float32)
+
+
 def rms_norm(x: jax.Array, scale: jax.Array | None, eps: float) -> jax.Array:
   """RMSNorm computed in f32; returns x's dtype."""
   xf = x.astype(jnp.float32)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from model.config import ModelConfig
-from model.layers import einsum, param, rms_norm
+from model.layers import einsum, einsum_f32, param, rms_norm
 
 
 class VisionBlock(nnx.Module):
@@ -43,9 +43,9 @@ class VisionBlock(nnx.Module):
     h = rms_norm(x_npd, self.norm1[...], self.eps)
     qkv = einsum("npd,dzhk->npzhk", h, self.w_qkv[...], self.dtype)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    logits = jnp.einsum("nphk,nqhk->nhpq", q, k, preferred_element_type=jnp.float32)
-    probs = jax.nn.softmax(logits * q.shape[-1] ** -0.5, axis=-1).astype(self.dtype)
-    att = jnp.einsum("nhpq,nqhk->nphk", probs, v, preferred_element_type=jnp.float32).astype(self.dtype)
+    logits = einsum_f32("nphk,nqhk->nhpq", q, k)
+    probs = jax.nn.softmax(logits * q.shape[-1] ** -0.5, axis=-1)
+    att = einsum("nhpq,nqhk->nphk", probs, v, self.dtype)
     x_npd = x_npd + einsum("nphk,hkd->npd", att, self.w_o[...], self.dtype)
     h = rms_norm(x_npd, self.norm2[...], self.eps)
     h = jax.nn.gelu(einsum("npd,df->npf", h, self.w_in[...], self.dtype) + self.b_in[...])

@@ -34,7 +34,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from model.layers import einsum
+from model.layers import einsum, einsum_f32
 
 _NEG_INF = float("-inf")
 _INT_MAX = jnp.iinfo(jnp.int32).max
@@ -44,15 +44,6 @@ _INT_MIN = jnp.iinfo(jnp.int32).min
 # ---------------------------------------------------------------------------
 # Small shared helpers.
 # ---------------------------------------------------------------------------
-def _einsum_f32(spec: str, x: jax.Array, y: jax.Array) -> jax.Array:
-  """einsum with inputs in x's (compute) dtype and an f32 result.
-
-  Attention logits and indexer scores feed softmax / top-k, which we keep in
-  f32 (model.layers.einsum would round the result back to the compute dtype).
-  """
-  return jnp.einsum(spec, x, y.astype(x.dtype), preferred_element_type=jnp.float32)
-
-
 def _cdiv(a: int, b: int) -> int:
   return -(-a // b)
 
@@ -149,7 +140,7 @@ def allowed_mask(q_pos: jax.Array, q_seg: jax.Array, k_pos: jax.Array, k_seg: ja
 
 def _index_scores(q_idx: jax.Array, w_idx: jax.Array, k_idx: jax.Array) -> jax.Array:
   """I[b,t,s] = sum_h w[b,t,h] relu(q[b,t,h] . k[b,s]) in f32 (any s)."""
-  dots = _einsum_f32("bthk,bsk->bths", q_idx, k_idx)
+  dots = einsum_f32("bthk,bsk->bths", q_idx, k_idx)
   return jnp.einsum("bths,bth->bts", jax.nn.relu(dots), w_idx.astype(jnp.float32))
 
 
@@ -319,7 +310,7 @@ def selected_indexer_scores(q_idx: jax.Array, w_idx: jax.Array, k_idx: jax.Array
 
   def body(args):
     q, w, ix = args
-    dots = _einsum_f32("bthk,btjk->bthj", q, _gather_rows(k_idx, ix))
+    dots = einsum_f32("bthk,btjk->bthj", q, _gather_rows(k_idx, ix))
     return jnp.einsum("bthj,bth->btj", jax.nn.relu(dots), w.astype(jnp.float32))
 
   blocks = (_to_blocks(_pad_axis1(q_idx, tp, 0), qb), _to_blocks(_pad_axis1(w_idx, tp, 0), qb),
@@ -387,8 +378,8 @@ def sparse_mqa_attention(q_lat: jax.Array, q_rope: jax.Array, latent: jax.Array,
   def body(args):
     ql, qr, ix, vd = args
     g_lat = _gather_rows(latent, ix)  # [b, qb, j, c]
-    logits = (_einsum_f32("bthc,btjc->bthj", ql, g_lat)
-              + _einsum_f32("bthp,btjp->bthj", qr, _gather_rows(k_rope, ix))) * scale
+    logits = (einsum_f32("bthc,btjc->bthj", ql, g_lat)
+              + einsum_f32("bthp,btjp->bthj", qr, _gather_rows(k_rope, ix))) * scale
     p = masked_softmax(logits, vd[:, :, None, :])
     out = einsum("bthj,btjc->bthc", p, g_lat, dtype)
     return out, _head_summed(p)
@@ -414,7 +405,7 @@ def dense_mqa_attention(q_lat: jax.Array, q_rope: jax.Array, latent: jax.Array, 
   b, t, _, s = _check_mqa_args("dense_mqa_attention", q_lat, q_rope, latent, k_rope)
   _need(mask.shape == (b, t, s), f"dense_mqa_attention: mask must be [b, t, s]={(b, t, s)}, "
         f"got {mask.shape}.")
-  logits = (_einsum_f32("bthc,bsc->bths", q_lat, latent)
-            + _einsum_f32("bthp,bsp->bths", q_rope, k_rope)) * scale
+  logits = (einsum_f32("bthc,bsc->bths", q_lat, latent)
+            + einsum_f32("bthp,bsp->bths", q_rope, k_rope)) * scale
   p = masked_softmax(logits, mask[:, :, None, :])
   return einsum("bths,bsc->bthc", p, latent, q_lat.dtype), _head_summed(p)
