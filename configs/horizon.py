@@ -9,6 +9,7 @@ Variants:
   tiny  -- unit tests: prime-ish dimensions so shape bugs cannot hide, 4 layers
            (2 Gated DSA + 2 Delta), 8 routed experts, 1 dense FFN layer, DSA
            top-k 16 so sparsity is exercised at test lengths.
+  tiny_sharded -- tiny with dims divisible by 8-device meshes (2 layers).
   small -- CPU demo, ~60M total parameters.
   full  -- the seed design: 93 layers (24 Gated DSA + 69 Delta), 608 routed
            experts of width 2048 (top-14) + 1 shared, ~2.80T total / ~104B
@@ -20,7 +21,7 @@ validates what it is given.
 
 import ml_collections
 
-VARIANTS = ("tiny", "small", "full")
+VARIANTS = ("tiny", "tiny_sharded", "small", "full")
 
 
 def _full_model() -> ml_collections.ConfigDict:
@@ -71,6 +72,13 @@ def _full_model() -> ml_collections.ConfigDict:
   m.router_topk_groups = 4  # ... and only tokens' best groups are eligible
   m.routed_scaling = 2.5
   m.norm_topk_prob = True
+  # Expert parallelism (sharding/expert_parallel.py): how tokens reach experts
+  # on other devices. "auto": dropless ragged all-to-all on TPU/GPU, the
+  # fixed-capacity all-to-all on CPU (which lacks ragged_all_to_all). Each
+  # (source, destination) bucket holds ceil(capacity_factor * local
+  # assignments / expert shards) rows; overflow is dropped and counted.
+  m.expert_exchange = "auto"  # "auto" | "ragged" | "capacity"
+  m.capacity_factor = 1.25
   # Vision encoder (ViT + projector); image embeddings replace placeholders.
   m.vision = ml_collections.ConfigDict()
   m.vision.enabled = True
@@ -178,6 +186,33 @@ def _tiny(m: ml_collections.ConfigDict) -> None:
   m.remat = "none"
 
 
+def _tiny_sharded(m: ml_collections.ConfigDict) -> None:
+  """`tiny` with every split dim divisible by 8-device meshes (sharding tests).
+
+  2 layers (Gated DSA + dense FFN, Delta + MoE); heads, widths and vocab even
+  so `tensor` = 2 divides them, d_model = 56 and 8 experts divisible by 8 for
+  `fsdp` / `expert` = 8. capacity_factor 8 >= any expert axis of 8 devices, so
+  the capacity exchange never drops.
+  """
+  _tiny(m)
+  m.vocab_size = 264
+  m.image_token_id = 263
+  m.num_layers = 2
+  m.num_heads = 4
+  m.index_heads = 4
+  m.capacity_factor = 8.0
+
+
+def _mesh() -> ml_collections.ConfigDict:
+  """Device mesh (sharding/mesh.py): one size per axis, at most one -1 (fill)."""
+  mesh = ml_collections.ConfigDict()
+  mesh.data = 1
+  mesh.fsdp = -1
+  mesh.expert = 1
+  mesh.tensor = 1
+  return mesh
+
+
 def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
   """Returns the config for variant `arg` (one of VARIANTS)."""
   if arg not in VARIANTS:
@@ -188,8 +223,6 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
   config.variant = arg
   config.seed = 0
   config.model = _full_model()
-  if arg == "small":
-    _small(config.model)
-  elif arg == "tiny":
-    _tiny(config.model)
+  config.mesh = _mesh()
+  {"small": _small, "tiny": _tiny, "tiny_sharded": _tiny_sharded}.get(arg, lambda m: None)(config.model)
   return config

@@ -90,6 +90,8 @@ class ModelConfig:
   router_topk_groups: int
   routed_scaling: float
   norm_topk_prob: bool
+  expert_exchange: str
+  capacity_factor: float
   vision: VisionConfig
   image_token_id: int
   param_dtype: str
@@ -165,6 +167,10 @@ class ModelConfig:
     per_group = self.num_experts // self.router_groups
     need(self.router_topk_groups * per_group >= self.experts_per_token, "router_topk_groups",
          "the selected groups hold fewer experts than experts_per_token; raise router_topk_groups.")
+    need(self.expert_exchange in ("auto", "ragged", "capacity"), "expert_exchange",
+         "choose 'auto' (ragged on TPU/GPU, capacity on CPU), 'ragged' (dropless) or 'capacity'.")
+    need(isinstance(self.capacity_factor, (int, float)) and self.capacity_factor > 0,
+         "capacity_factor", "must be a positive number (>= the expert mesh axis size never drops).")
     need(self.remat in ("none", "full", "save_dots"), "remat", "choose 'none', 'full' or 'save_dots'.")
     need(self.attention_impl in ("xla", "pallas"), "attention_impl", "choose 'xla' or 'pallas'.")
     for f in ("dtype", "param_dtype"):

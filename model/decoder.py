@@ -35,8 +35,10 @@ from model.config import ModelConfig
 from model.layers import MLP, KeyGen, RMSNorm, einsum, maybe_remat, param
 from model.moe import MoE
 from model.vision import VisionEncoder, merge_image_embeddings
+from sharding.rules import constrain
 
 _ATTENTION = {"dsa": GatedDSA, "delta": DeltaAttention}
+_ACT = ("batch", "length", "embed")  # logical names of the residual stream
 
 
 class Block(nnx.Module):
@@ -132,7 +134,11 @@ class Horizon(nnx.Module):
     default arange. segment_ids: packed-document ids; tokens attend and carry
     state only within their segment; default all one segment.
     aux: indexer_loss (mean over DSA layers), z_loss and seq_aux_loss (mean
-    over MoE layers), load [num_moe_layers, num_experts] token counts.
+    over MoE layers), load [num_moe_layers, num_experts] token counts,
+    dropped [num_moe_layers] assignments dropped by a capacity-limited
+    expert-parallel exchange (0 on one device).
+    Under an active mesh (`sharding.mesh.activate`) activations are
+    constrained by logical names and MoE layers run expert-parallel.
     """
     self._check_tokens(tokens)
     b, t = tokens.shape
@@ -143,13 +149,14 @@ class Horizon(nnx.Module):
     for name, a in (("positions", positions), ("segment_ids", segment_ids)):
       if a.shape != (b, t):
         raise ValueError(f"{name}: expected shape {(b, t)} like tokens, got {a.shape}.")
-    x = self.embed_inputs(tokens, images)
+    x = constrain(self.embed_inputs(tokens, images), _ACT)
     fwd = maybe_remat(_block_forward, self.cfg.remat)
     auxes = []
     for block in self.blocks:
       x, aux = fwd(block, x, positions, segment_ids)
+      x = constrain(x, _ACT)
       auxes.append(aux)
-    return self.logits(x), _collect_aux(auxes)
+    return constrain(self.logits(x), ("batch", "length", "vocab")), _collect_aux(auxes)
 
   # ---- generation -----------------------------------------------------------
   def init_cache(self, batch: int, max_len: int | None = None) -> list[Any]:
@@ -194,6 +201,7 @@ def _collect_aux(auxes: list[dict[str, Any]]) -> dict[str, Any]:
   out["indexer_loss"] = jnp.mean(jnp.stack(idx)) if idx else jnp.zeros((), jnp.float32)
   if moe:
     out["load"] = jnp.stack([a["load"] for a in moe])
+    out["dropped"] = jnp.stack([a["dropped"] for a in moe])
     out["z_loss"] = jnp.mean(jnp.stack([a["z_loss"] for a in moe]))
     out["seq_aux_loss"] = jnp.mean(jnp.stack([a["seq_aux_loss"] for a in moe]))
   else:

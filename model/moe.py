@@ -58,6 +58,7 @@ from flax import nnx
 
 from model.config import ModelConfig
 from model.layers import MLP, einsum, param
+from sharding import expert_parallel
 
 IMPLS = ("auto", "ragged_dot", "blocked")
 
@@ -246,9 +247,12 @@ def _blocked_swiglu(x_td, order, sorted_e, group_sizes, kslots, w_gate, w_up, w_
   start = jnp.cumsum(group_sizes) - group_sizes
   pad_start = jnp.cumsum(padded) - padded
   r = jnp.arange(rows, dtype=jnp.int32)
-  dest = pad_start[sorted_e] + r - start[sorted_e]  # padded slot of the r-th sorted row
+  se = jnp.minimum(sorted_e, e - 1)
+  dest = pad_start[se] + r - start[se]  # padded slot of the r-th sorted row
   # Padded slots read token t, an all-zero row appended to x.
-  slot_token = jnp.full((num_blocks * block,), t, jnp.int32).at[dest].set(order // kslots)
+  skip = sorted_e >= e  # "no expert" rows (expert parallelism's empty slots) get no slot
+  dest = jnp.where(skip, num_blocks * block, dest)
+  slot_token = jnp.full((num_blocks * block,), t, jnp.int32).at[dest].set(order // kslots, mode="drop")
   x_pad = jnp.concatenate([x_td, jnp.zeros((1, d), x_td.dtype)], axis=0)
   xb = x_pad[slot_token].reshape(num_blocks, block, d)
   block_end = jnp.cumsum(padded) // block  # [e]
@@ -258,7 +262,8 @@ def _blocked_swiglu(x_td, order, sorted_e, group_sizes, kslots, w_gate, w_up, w_
   u = einsum("nmd,ndf->nmf", xb, w_up[block_expert], dtype)
   yb = einsum("nmf,nfd->nmd", jax.nn.silu(g) * u, w_down[block_expert], dtype)
   slot = jnp.zeros((rows,), jnp.int32).at[order].set(dest)
-  return yb.reshape(num_blocks * block, d)[slot]
+  yb = jnp.concatenate([yb.reshape(num_blocks * block, d), jnp.zeros((1, d), yb.dtype)])
+  return yb[slot]
 
 
 def dropless_experts(x_td: jax.Array, expert_idx_tk: jax.Array, weights_tk: jax.Array,
@@ -268,7 +273,9 @@ def dropless_experts(x_td: jax.Array, expert_idx_tk: jax.Array, weights_tk: jax.
 
   Args:
     x_td: [t, d] tokens.
-    expert_idx_tk: [t, k] int expert ids in [0, e).
+    expert_idx_tk: [t, k] int expert ids in [0, e]; id e means "no expert"
+      (a zero contribution, no compute), used for expert parallelism's empty
+      receive slots.
     weights_tk: [t, k] combine weights.
     w_gate, w_up: [e, d, f]; w_down: [e, f, d].
     dtype: compute dtype (accumulation is f32).
@@ -371,7 +378,8 @@ class MoE(nnx.Module):
 
     Returns:
       y [b, t, d] in cfg.dtype; aux = {'load': f32 [e] token-assignments per
-      expert, 'z_loss': f32 scalar, 'seq_aux_loss': f32 scalar}.
+      expert, 'z_loss': f32 scalar, 'seq_aux_loss': f32 scalar, 'dropped': f32
+      scalar, assignments dropped by a capacity-limited expert-parallel exchange}.
     """
     cfg = self.cfg
     if x.ndim != 3 or x.shape[-1] != cfg.d_model:
@@ -379,17 +387,36 @@ class MoE(nnx.Module):
     b, t, d = x.shape
     k = cfg.experts_per_token
     logits, scores, idx, weights = self.route(x)
-    y = dropless_experts(x.reshape(b * t, d), idx.reshape(b * t, k), weights.reshape(b * t, k),
-                         self.w_gate[...], self.w_up[...], self.w_down[...], cfg.jnp_dtype,
-                         impl=self.impl).reshape(b, t, d)
+    y, dropped = self._experts(x.reshape(b * t, d), idx.reshape(b * t, k), weights.reshape(b * t, k))
+    y = y.reshape(b, t, d)
     if self.shared is not None:
       y = y + self.shared(x)
     aux = {
         "load": jnp.bincount(idx.reshape(-1), length=cfg.num_experts).astype(jnp.float32),
         "z_loss": router_z_loss(logits),
         "seq_aux_loss": sequence_aux_loss(scores, idx),
+        "dropped": dropped,
     }
     return y, aux
+
+  def _experts(self, x_td, idx_tk, weights_tk) -> tuple[jax.Array, jax.Array]:
+    """Routed experts: one device, or expert-parallel when a mesh is active.
+
+    Returns (y [t, d], dropped): the f32 count of token-assignments the
+    capacity exchange dropped (always 0 without a mesh or with 'ragged').
+    """
+    cfg = self.cfg
+    experts = (self.w_gate[...], self.w_up[...], self.w_down[...])
+    if jax.sharding.get_abstract_mesh().empty:
+      y = dropless_experts(x_td, idx_tk, weights_tk, *experts, cfg.jnp_dtype, impl=self.impl)
+      return y, jnp.zeros((), jnp.float32)
+
+    def local(x, ids, w, w_gate, w_up, w_down):
+      return dropless_experts(x, ids, w, w_gate, w_up, w_down, cfg.jnp_dtype, impl=self.impl)
+
+    return expert_parallel.expert_parallel_experts(
+        x_td, idx_tk, weights_tk, *experts, local_experts=local, exchange=cfg.expert_exchange,
+        capacity_factor=cfg.capacity_factor)
 
   def update_bias(self, load: jax.Array, rate: float) -> None:
     """Aux-loss-free balancing step: bias += rate * sign(mean(load) - load).
