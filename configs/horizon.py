@@ -203,6 +203,27 @@ def _tiny_sharded(m: ml_collections.ConfigDict) -> None:
   m.capacity_factor = 8.0
 
 
+def _train() -> ml_collections.ConfigDict:
+  """Optimisation (training/train_step.py): AdamW, warm-up + cosine, clipping, aux weights."""
+  t = ml_collections.ConfigDict()
+  t.steps = 100_000
+  t.global_batch = 1024  # sequences per optimizer step
+  t.seq_len = 4096
+  t.learning_rate = 2.2e-4
+  t.warmup_steps = 2000
+  t.end_lr_fraction = 0.1  # cosine decays to this fraction of the peak
+  t.weight_decay = 0.1  # matrices only (norms, biases, A_log, dt_bias excluded)
+  t.b1 = 0.9
+  t.b2 = 0.95
+  t.eps = 1e-8
+  t.grad_clip = 1.0  # global-norm clipping
+  t.z_loss_weight = 1e-3  # router z-loss (ST-MoE)
+  t.seq_aux_weight = 1e-4  # sequence-wise balance loss (DeepSeek-V3)
+  t.indexer_loss_weight = 1.0  # DSA indexer KL; its gradient reaches only the indexer
+  t.router_bias_rate = 1e-3  # aux-loss-free bias update per step
+  return t
+
+
 def _mesh() -> ml_collections.ConfigDict:
   """Device mesh (sharding/mesh.py): one size per axis, at most one -1 (fill)."""
   mesh = ml_collections.ConfigDict()
@@ -224,5 +245,9 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
   config.seed = 0
   config.model = _full_model()
   config.mesh = _mesh()
+  config.train = _train()
+  if arg in ("tiny", "tiny_sharded", "small"):
+    config.train.update(steps=200, global_batch=8, seq_len=64 if arg != "small" else 256,
+                        learning_rate=3e-3 if arg != "small" else 1e-3, warmup_steps=10)
   {"small": _small, "tiny": _tiny, "tiny_sharded": _tiny_sharded}.get(arg, lambda m: None)(config.model)
   return config

@@ -125,6 +125,13 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
   return output.at[dst.reshape(-1)].set(ops.reshape((ep * n,) + ops.shape[2:]), mode="drop")
 
 
+def ragged_collective() -> Callable[..., jax.Array]:
+  """The native ragged_all_to_all on TPU/GPU, the emulation on XLA:CPU."""
+  if jax.default_backend() in ("tpu", "gpu"):
+    return jax.lax.ragged_all_to_all
+  return emulated_ragged_all_to_all
+
+
 def _ragged_body(x, idx, wts, valid_t, wg, wu, wd, *, ep_axis, tp_axes, batch_axes, local_experts,
                  exchange_fn):
   t, d = x.shape
@@ -210,9 +217,7 @@ def expert_parallel_experts(x_td: jax.Array, idx_tk: jax.Array, weights_tk: jax.
     cap = capacity((t + pad) // shards * idx_tk.shape[1], ep, capacity_factor)
     body = lambda *a: _capacity_body(*a, cap=cap, **common)  # noqa: E731
   else:
-    fn = (jax.lax.ragged_all_to_all if jax.default_backend() in ("tpu", "gpu")
-          else emulated_ragged_all_to_all)
-    body = lambda *a: _ragged_body(*a, exchange_fn=fn, **common)  # noqa: E731
+    body = lambda *a: _ragged_body(*a, exchange_fn=ragged_collective(), **common)  # noqa: E731
   tok = P(batch_axes, None)
   tp = tp_axes if tp_axes else None
   w_in = P(ep_axis, None, tp)

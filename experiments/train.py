@@ -1,0 +1,90 @@
+"""Training launcher: one config, any device count, one or many processes.
+
+    python -m experiments.train --config=configs/horizon.py:tiny
+    # 8 fake CPU devices, experts over 4 of them:
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m experiments.train \
+        --config=configs/horizon.py:tiny_sharded --config.mesh.expert=4
+    # two processes (each its own host in a real cluster):
+    python -m experiments.train --config=... --coordinator_address=10.0.0.1:1234 \
+        --num_processes=2 --process_id=0   # and --process_id=1 on the other
+
+The mesh comes from `config.mesh`, optimisation from `config.train`. Data: the
+byte-level standard-library corpus (`training.byte_corpus`); each process
+builds only the batch rows its devices hold. Prints one JSON line of metrics
+per step (process 0) and, last, a JSON summary with the per-step losses.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import jax
+import numpy as np
+from absl import app, flags
+from flax import nnx
+from jax.experimental import multihost_utils
+
+from experiments import distributed
+from experiments.config_util import define_config_flag, model_config
+from model.decoder import Horizon
+from sharding import mesh as mesh_lib
+from sharding.state import create_sharded_model
+from training import byte_corpus
+from training.train_step import TrainConfig, jit_train_step, make_optimizer
+
+_CONFIG = define_config_flag()
+_LOG_EVERY = flags.DEFINE_integer("log_every", 1, "Print metrics every N steps.")
+
+
+def _host_metrics(metrics: dict) -> dict:
+  out = {}
+  for k, v in metrics.items():
+    # Metrics may be split over devices of other processes (e.g. per-expert load).
+    v = np.asarray(v if v.is_fully_replicated else multihost_utils.process_allgather(v, tiled=True))
+    if k == "load":  # per-layer max/mean and min/mean expert load
+      mean = v.mean(axis=-1)
+      out["load_max_over_mean"] = float(np.max(v.max(axis=-1) / mean))
+      out["load_min_over_mean"] = float(np.min(v.min(axis=-1) / mean))
+    else:
+      out[k] = float(v)
+  return out
+
+
+def run(config) -> list[float]:
+  cfg = model_config(config)
+  tc = TrainConfig.from_config(config.train)
+  mesh = mesh_lib.make_mesh(config.mesh)
+  if cfg.vocab_size < 256:
+    raise ValueError(f"config.model.vocab_size={cfg.vocab_size}: the byte corpus needs >= 256 ids.")
+  corpus = byte_corpus.load_stdlib_bytes()
+  with mesh_lib.activate(mesh):
+    model = create_sharded_model(lambda: Horizon(cfg, rngs=nnx.Rngs(config.seed)), mesh)
+    optimizer = nnx.Optimizer(model, make_optimizer(tc), wrt=nnx.Param)
+    losses = []
+    for step in range(tc.steps):
+      batch = byte_corpus.global_batch(
+          mesh, tc.global_batch, tc.seq_len,
+          lambda rows, s=step: byte_corpus.lm_rows(corpus, config.seed, s, rows, tc.seq_len))
+      t0 = time.perf_counter()
+      metrics = _host_metrics(jit_train_step(model, optimizer, batch, tc))
+      metrics["step_seconds"] = time.perf_counter() - t0
+      losses.append(metrics["loss"])
+      if not np.isfinite(metrics["loss"]):
+        raise FloatingPointError(f"step {step}: loss is {metrics['loss']}; stopping.")
+      if jax.process_index() == 0 and (step % _LOG_EVERY.value == 0 or step == tc.steps - 1):
+        print(json.dumps({"step": step, **metrics}), flush=True)
+  return losses
+
+
+def main(argv):
+  del argv
+  distributed.initialize()
+  losses = run(_CONFIG.value)
+  if jax.process_index() == 0:
+    print(json.dumps({"losses": losses, "processes": jax.process_count(),
+                      "devices": jax.device_count()}), flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,282 @@
+"""Meshes, the rules table, sharded init and expert parallelism on 8 fake CPU devices."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from configs import horizon
+from model.config import ModelConfig
+from model.decoder import Horizon
+from model.moe import MoE, dropless_experts
+from sharding import expert_parallel as ep_lib
+from sharding import mesh as mesh_lib
+from sharding import rules as rules_lib
+from sharding.state import create_sharded_model
+from tests.helpers import assert_close
+
+MESHES = [(8, 1, 1, 1), (1, 8, 1, 1), (2, 1, 4, 1), (1, 1, 8, 1), (1, 2, 2, 2), (2, 2, 2, 1)]
+
+
+@pytest.fixture(scope="module")
+def cfg():
+  return ModelConfig.from_config(horizon.get_config("tiny_sharded").model)
+
+
+def _mesh(shape):
+  return mesh_lib.make_mesh(dict(zip(mesh_lib.MESH_AXES, shape, strict=True)))
+
+
+def _loss(model, tokens):
+  logits, aux = model(tokens[:, :-1])
+  logz = jax.nn.logsumexp(logits, axis=-1)
+  gold = jnp.take_along_axis(logits, tokens[:, 1:, None], axis=-1)[..., 0]
+  loss = jnp.mean(logz - gold) + 1e-2 * aux["z_loss"] + 1e-2 * aux["seq_aux_loss"] + aux["indexer_loss"]
+  return loss, aux["dropped"]
+
+
+def _grads(graphdef, state, tokens):
+  model = nnx.merge(graphdef, state)
+  (loss, dropped), grads = nnx.value_and_grad(_loss, has_aux=True)(model, tokens)
+  return loss, dropped, grads
+
+
+_step = jax.jit(_grads, static_argnums=0)
+
+
+def _tokens(cfg):
+  return jnp.asarray(np.random.default_rng(0).integers(0, cfg.image_token_id, (8, 21)), jnp.int32)
+
+
+@pytest.fixture(scope="module")
+def reference(cfg):
+  graphdef, state = nnx.split(Horizon(cfg, rngs=nnx.Rngs(3)))
+  compiled = _step.lower(graphdef, state, _tokens(cfg)).compile()
+  loss, dropped, grads = compiled(state, _tokens(cfg))
+  return {"loss": loss, "grads": grads, "hlo": compiled.as_text()}
+
+
+# ---- mesh and rules ----------------------------------------------------------
+
+
+def test_mesh_fill_and_errors():
+  assert dict(mesh_lib.make_mesh({"data": 2, "fsdp": -1, "expert": 2, "tensor": 1}).shape) == {
+      "data": 2, "fsdp": 2, "expert": 2, "tensor": 1}
+  one = mesh_lib.make_mesh({"data": 1, "fsdp": -1, "expert": 1, "tensor": 1}, devices=jax.devices()[:1])
+  assert one.size == 1
+  assert mesh_lib.MeshConfig.parse("expert=4,data=2").resolve(8) == (2, 1, 4, 1)
+  assert mesh_lib.MeshConfig.parse("1,2,2,2").resolve(8) == (1, 2, 2, 2)
+  with pytest.raises(mesh_lib.MeshError, match="16 devices but 8"):
+    mesh_lib.make_mesh({"data": 2, "fsdp": 8, "expert": 1, "tensor": 1})
+  with pytest.raises(mesh_lib.MeshError, match="at most one axis"):
+    mesh_lib.MeshConfig.from_config({"data": -1, "fsdp": -1, "expert": 1, "tensor": 1})
+  with pytest.raises(mesh_lib.MeshError, match="does not divide 8"):
+    mesh_lib.make_mesh({"data": 3, "fsdp": -1, "expert": 1, "tensor": 1})
+  with pytest.raises(mesh_lib.MeshError, match="unknown axes \\['pipeline'\\]"):
+    mesh_lib.MeshConfig.from_config({"data": 1, "fsdp": 1, "expert": 1, "tensor": 1, "pipeline": 1})
+
+
+def test_logical_to_spec():
+  table = rules_lib.PARAM_RULES
+  assert rules_lib.logical_to_spec(("expert", "embed", "mlp"), table) == P("expert", "fsdp", "tensor")
+  assert rules_lib.logical_to_spec(("q_lora", "heads", "head_dim"), table) == P(None, "tensor", None)
+  # A mesh axis is used once per array: the second 'heads' stays whole.
+  assert rules_lib.logical_to_spec(("heads", "heads"), table) == P("tensor", None)
+  with pytest.raises(rules_lib.ShardingError, match="'nonsense' has no rule"):
+    rules_lib.logical_to_spec(("embed", "nonsense"), table, "param w")
+  act = rules_lib.activation_spec(("batch", "length", "embed"), (8, 5, 56),
+                                  {"data": 2, "fsdp": 2, "expert": 2, "tensor": 1})
+  assert act == P(("data", "fsdp", "expert"), None, None)
+  # An activation dim its axes do not divide (a decode batch of 1) stays whole.
+  assert rules_lib.activation_spec(("batch", "length"), (1, 5), {"data": 8}) == P(None, None)
+
+
+def test_indivisible_weight_names_weight_dim_and_axes(cfg):
+  odd = cfg.replace(vocab_size=263, image_token_id=262)  # only the vocabulary is odd
+  mesh = _mesh((1, 1, 4, 2))
+  with pytest.raises(rules_lib.ShardingError) as e:
+    create_sharded_model(lambda: Horizon(odd, rngs=nnx.Rngs(0)), mesh)
+  msg = str(e.value)
+  assert "['embed']" in msg and "size 263" in msg and "('tensor',)" in msg and "'vocab'" in msg
+
+
+def test_sharded_init_layout_and_optimizer_state(cfg):
+  import optax
+  mesh = _mesh((1, 2, 2, 2))
+  model = create_sharded_model(lambda: Horizon(cfg, rngs=nnx.Rngs(3)), mesh)
+  moe = model.blocks[1].ffn
+  w = moe.w_gate[...]
+  assert w.sharding.spec == P("expert", "fsdp", "tensor")
+  assert {s.data.shape for s in w.addressable_shards} == {(4, 28, 13)}
+  assert model.embed[...].sharding.spec == P("tensor", "fsdp")
+  assert model.blocks[0].attn.w_uk[...].sharding.spec == P(None, "tensor", None)
+  assert model.blocks[0].attn_norm.scale[...].sharding.spec == P(None)  # replicated by rule
+  # Same values as an unsharded init with the same seed.
+  plain = Horizon(cfg, rngs=nnx.Rngs(3))
+  assert_close(jax.device_get(w), plain.blocks[1].ffn.w_gate[...], what="sharded init")
+  # AdamW moments inherit the parameter layout.
+  opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+  mus = [x for x in jax.tree.leaves(opt.opt_state) if getattr(x, "shape", None) == w.shape]
+  assert mus and all(m.sharding.spec == w.sharding.spec for m in mus)
+
+
+# ---- the model on every mesh ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", MESHES, ids=lambda s: "x".join(map(str, s)))
+def test_loss_and_grads_match_single_device(cfg, reference, shape):
+  mesh = _mesh(shape)
+  tokens = _tokens(cfg)
+  with mesh_lib.activate(mesh):
+    model = create_sharded_model(lambda: Horizon(cfg, rngs=nnx.Rngs(3)), mesh)
+    graphdef, state = nnx.split(model)
+    tok = jax.device_put(tokens, NamedSharding(mesh, rules_lib.activation_spec(
+        ("batch", "length"), tokens.shape, dict(mesh.shape))))
+    compiled = _step.lower(graphdef, state, tok).compile()
+    loss, dropped, grads = compiled(state, tok)
+  assert float(jnp.sum(dropped)) == 0.0
+  assert_close(loss, reference["loss"], what=f"loss {shape}")
+  ref = jax.tree_util.tree_leaves_with_path(reference["grads"])
+  got = jax.tree.leaves(grads)
+  assert len(ref) == len(got)
+  for (path, r), g in zip(ref, got, strict=True):
+    assert_close(jax.device_get(g), r, what=f"grad {jax.tree_util.keystr(path)} {shape}")
+  # Experts are really distributed: E/ep per device, and no device ever holds
+  # the whole [E, d, f] tensor during the step (the per-device HLO has no
+  # array of that shape, while the single-device program does).
+  ep = shape[2]
+  e, d, f = cfg.num_experts, cfg.d_model, cfg.expert_dim
+  full_shapes = (f"f32[{e},{d},{f}]", f"f32[{e},{f},{d}]")
+  assert any(s in reference["hlo"] for s in full_shapes)
+  w = model.blocks[1].ffn.w_gate[...]
+  for shard in w.addressable_shards:
+    assert shard.data.shape[0] == e // ep
+  if ep > 1:
+    hlo = compiled.as_text()
+    assert not any(s in hlo for s in full_shapes), f"a full expert tensor exists on a device ({shape})"
+
+
+# ---- expert-parallel MoE layer ------------------------------------------------------------
+
+
+def _moe_setup(cfg, shape, **changes):
+  cfg = cfg.replace(**changes)
+  mesh = _mesh(shape)
+  layer = create_sharded_model(lambda: MoE(cfg, rngs=nnx.Rngs(5)), mesh)
+  # Skew the routing so one shard is popular: capacity buckets overflow.
+  layer.router_bias[...] = jnp.asarray(np.linspace(0.3, 0.0, cfg.num_experts), jnp.float32)
+  x = jax.random.normal(jax.random.key(7), (8, 12, cfg.d_model), jnp.float32)
+  return cfg, mesh, layer, x
+
+
+@nnx.jit
+def _moe_fwd(layer, x):
+  return layer(x)
+
+
+def _expected_drops(idx_btk, shards, ep, e_local, cap):
+  """Reference count: tokens split into `shards` contiguous chunks, buckets of `cap` per dest."""
+  t_all, k = idx_btk.shape[0] * idx_btk.shape[1], idx_btk.shape[2]
+  flat = np.asarray(idx_btk).reshape(t_all, k)
+  keep = np.zeros(flat.shape, bool)
+  dropped = 0
+  for chunk in np.split(np.arange(t_all), shards):
+    seen = np.zeros(ep, int)
+    for tok in chunk:
+      for j in range(k):
+        dest = flat[tok, j] // e_local
+        keep[tok, j] = seen[dest] < cap
+        dropped += seen[dest] >= cap
+        seen[dest] += 1
+  return dropped, keep
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 8, 1), (2, 1, 2, 2)], ids=["ep8", "dp2_ep2_tp2"])
+def test_capacity_drops_counted_exactly(cfg, shape):
+  cfg, mesh, layer, x = _moe_setup(cfg, shape, capacity_factor=0.5, expert_exchange="capacity")
+  _, _, idx, weights = layer.route(x)  # routing on one device (no mesh active)
+  ep = shape[2]
+  shards = shape[0] * shape[1] * ep
+  a_local = x.shape[0] * x.shape[1] // shards * cfg.experts_per_token
+  cap = ep_lib.capacity(a_local, ep, cfg.capacity_factor)
+  want, keep = _expected_drops(idx, shards, ep, cfg.num_experts // ep, cap)
+  assert want > 0
+  with mesh_lib.activate(mesh):
+    y, aux = _moe_fwd(layer, x)
+  assert float(aux["dropped"]) == want
+  # Dropped assignments contribute nothing; everything else is exact.
+  t = x.shape[0] * x.shape[1]
+  w_kept = jnp.where(keep, weights.reshape(t, -1), 0.0)
+  routed = dropless_experts(x.reshape(t, -1), idx.reshape(t, -1), w_kept, layer.w_gate[...],
+                            layer.w_up[...], layer.w_down[...], jnp.float32)
+  expect = routed.reshape(x.shape) + layer.shared(x)
+  assert_close(jax.device_get(y), expect, what="capacity-limited MoE output")
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 8, 1), (1, 2, 2, 2)], ids=["ep8", "fsdp2_ep2_tp2"])
+def test_ragged_exchange_is_dropless(cfg, shape):
+  cfg, mesh, layer, x = _moe_setup(cfg, shape, expert_exchange="ragged")
+
+  def loss(layer, x):
+    y, aux = layer(x)
+    return jnp.sum(jnp.sin(y)), aux["dropped"]
+
+  grad_fn = nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+  (l0, d0), (g0, gx0) = grad_fn(layer, x)  # no mesh: single-device dropless path
+  with mesh_lib.activate(mesh):
+    (l1, d1), (g1, gx1) = grad_fn(layer, x)
+  assert float(d0) == float(d1) == 0.0
+  assert_close(l1, l0, what="ragged loss")
+  assert_close(jax.device_get(gx1), gx0, what="ragged dx")
+  for name in ("w_gate", "w_up", "w_down", "w_router"):
+    assert_close(jax.device_get(getattr(g1, name)[...]), getattr(g0, name)[...], what=f"ragged d{name}")
+
+
+def test_emulated_ragged_all_to_all_matches_semantics():
+  mesh = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+  rng = np.random.default_rng(1)
+  n, out_rows = 6, 10
+  sizes = rng.integers(0, 3, (4, 4))  # sizes[src, dst]
+  ops = rng.normal(size=(4, n, 3)).astype(np.float32)
+  in_off = np.cumsum(sizes, 1) - sizes
+  out_off = np.cumsum(sizes, 0) - sizes  # dst's buffer is ordered by source
+  expect = np.full((4, out_rows, 3), -1.0, np.float32)
+  for s in range(4):
+    for d in range(4):
+      expect[d, out_off[s, d]:out_off[s, d] + sizes[s, d]] = ops[s, in_off[s, d]:in_off[s, d] + sizes[s, d]]
+
+  def body(op, io, ss, oo, rs):
+    return ep_lib.emulated_ragged_all_to_all(op[0], jnp.full((out_rows, 3), -1.0), io[0], ss[0], oo[0],
+                                             rs[0], axis_name="x")[None]
+
+  got = jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * 5, out_specs=P("x"))(
+      ops, in_off.astype(np.int32), sizes.astype(np.int32),
+      out_off.astype(np.int32), np.ascontiguousarray(sizes.T).astype(np.int32))
+  # Sender s passes out_off[s]: where its slice lands on each destination.
+  np.testing.assert_array_equal(np.asarray(got), expect)
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_native_ragged_path_lowers(cfg, platform, monkeypatch):
+  """With the real lax.ragged_all_to_all the expert-parallel MoE step lowers for TPU and GPU."""
+  monkeypatch.setattr(ep_lib, "ragged_collective", lambda: jax.lax.ragged_all_to_all)
+  cfg, mesh, layer, x = _moe_setup(cfg, (1, 2, 2, 2), expert_exchange="ragged")
+  graphdef, state = nnx.split(layer)
+
+  def loss(state, x):
+    y, _ = nnx.merge(graphdef, state)(x)
+    return jnp.sum(y * y)
+
+  with mesh_lib.activate(mesh):
+    exported = jax.export.export(
+        jax.jit(jax.grad(loss, argnums=(0, 1))), platforms=[platform],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("ragged_all_to_all")])(
+            jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state),
+            jax.ShapeDtypeStruct(x.shape, x.dtype))
+  text = exported.mlir_module()
+  assert "ragged_all_to_all" in text and exported.nr_devices == math.prod((1, 2, 2, 2))
