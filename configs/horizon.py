@@ -142,7 +142,7 @@ def _small(m: ml_collections.ConfigDict) -> None:
 
 
 def _tiny(m: ml_collections.ConfigDict) -> None:
-  m.vocab_size = 263
+  m.vocab_size = 331  # 256 bytes + 15 special tokens + 60 BPE merges (training/assets)
   m.d_model = 56
   m.num_layers = 4
   m.dsa_period = 2  # DSA, Delta, DSA, Delta
@@ -180,7 +180,7 @@ def _tiny(m: ml_collections.ConfigDict) -> None:
   m.vision.depth = 2
   m.vision.num_heads = 2
   m.vision.mlp_dim = 34
-  m.image_token_id = 262
+  m.image_token_id = 330  # the tokenizer's <|image|>, its last id
   m.param_dtype = "float32"
   m.dtype = "float32"
   m.remat = "none"
@@ -191,12 +191,11 @@ def _tiny_sharded(m: ml_collections.ConfigDict) -> None:
 
   2 layers (Gated DSA + dense FFN, Delta + MoE); heads, widths and vocab even
   so `tensor` = 2 divides them, d_model = 56 and 8 experts divisible by 8 for
-  `fsdp` / `expert` = 8. capacity_factor 8 >= any expert axis of 8 devices, so
+  `fsdp` / `expert` = 8 (the vocabulary is padded by one id). capacity_factor 8 >= any expert axis of 8 devices, so
   the capacity exchange never drops.
   """
   _tiny(m)
-  m.vocab_size = 264
-  m.image_token_id = 263
+  m.vocab_size = 332  # tiny's tokenizer (331 ids) padded to an even size for tensor = 2
   m.num_layers = 2
   m.num_heads = 4
   m.index_heads = 4
