@@ -191,8 +191,8 @@ def _tiny_sharded(m: ml_collections.ConfigDict) -> None:
 
   2 layers (Gated DSA + dense FFN, Delta + MoE); heads, widths and vocab even
   so `tensor` = 2 divides them, d_model = 56 and 8 experts divisible by 8 for
-  `fsdp` / `expert` = 8 (the vocabulary is padded by one id). capacity_factor 8 >= any expert axis of 8 devices, so
-  the capacity exchange never drops.
+  `fsdp` / `expert` = 8 (the vocabulary is padded by one id). capacity_factor
+  8 >= any expert axis of 8 devices, so the capacity exchange never drops.
   """
   _tiny(m)
   m.vocab_size = 332  # tiny's tokenizer (331 ids) padded to an even size for tensor = 2
