@@ -19,6 +19,10 @@ setup(
         "ml-collections>=1.1",
         "absl-py>=2.1",
         "numpy>=2.0",
+        "tokenizers>=0.23",
+        "tiktoken>=0.14",
+        "etils[epath]>=1.7",
     ],
+    package_data={"training": ["assets/*.json", "assets/README.md"]},
     extras_require={"test": ["pytest>=8", "ruff>=0.15"]},
 )

@@ -2,7 +2,7 @@
 
 Every machine that runs Horizon has the Python standard library's source
 (~30 MB of .py files), so this corpus needs no download. Tokens are raw bytes
-(ids 0..255), which every Horizon vocabulary covers (`tiny` has 263 ids).
+(ids 0..255), which every Horizon vocabulary covers (`tiny` has 331).
 
 Batches are addressed, not streamed: row r of step s is a window at an offset
 drawn from `np.random.default_rng((seed, s, r))`. Any process can therefore

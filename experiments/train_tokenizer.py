@@ -1,0 +1,91 @@
+"""Trains Horizon's byte-level BPE tokenizer on the standard-library corpus.
+
+    python -m experiments.train_tokenizer --config=configs/horizon.py:tiny
+    python -m experiments.train_tokenizer --config=configs/horizon.py:small
+    python -m experiments.train_tokenizer --config=configs/horizon.py:full --out=/tmp/tok.json
+
+The vocabulary has exactly config.model.vocab_size ids: 256 bytes, BPE merges,
+then training.tokenizer.SPECIAL_TOKENS (<|image|> last, which must equal
+config.model.image_token_id). The file is checked before it is written, so a
+config mismatch never overwrites a bundled tokenizer. Training is
+deterministic: the same corpus (the interpreter's stdlib, first --max_bytes in
+sorted-path order) gives the same file byte for byte.
+
+Prints vocab size, bytes per token on held-out stdlib files (none of their
+bytes are in the training text) and the special ids; last line JSON.
+"""
+
+import hashlib
+import json
+import platform
+
+from absl import app, flags
+from etils import epath
+
+from experiments.config_util import define_config_flag
+from training import tokenizer as tok_lib
+
+_CONFIG = define_config_flag()
+_OUT = flags.DEFINE_string("out", None, "Output tokenizer.json; default: the bundled asset "
+                           "training/assets/tokenizer_<variant>.json (tiny and small only).")
+_MAX_BYTES = flags.DEFINE_integer("max_bytes", tok_lib.DEFAULT_CORPUS_BYTES,
+                                  "Training bytes: the first N of the stdlib corpus.")
+_HELDOUT_BYTES = flags.DEFINE_integer("heldout_bytes", tok_lib.DEFAULT_HELDOUT_BYTES,
+                                      "Held-out bytes (whole files after the training bytes).")
+
+
+def _out_path(config) -> str:
+  if _OUT.value:
+    return _OUT.value
+  try:
+    return tok_lib.default_tokenizer_path(config.get("variant", ""))
+  except ValueError as e:
+    raise SystemExit(f"--out is required for this config: {e}") from None
+
+
+def main(argv):
+  del argv
+  config = _CONFIG.value
+  if config is None:
+    raise SystemExit("--config is required, e.g. --config=configs/horizon.py:tiny")
+  vocab, image = config.model.vocab_size, config.model.image_token_id
+  out = _out_path(config)
+  texts = tok_lib.stdlib_training_texts(_MAX_BYTES.value)
+  try:
+    data = tok_lib.train_bpe(texts, vocab).encode()
+  except ValueError as e:  # too few merges in the corpus, or a vocab below 271 ids
+    raise SystemExit(f"config.model.vocab_size={vocab}: {e}") from None
+  tok = tok_lib.tokenizer_from_bytes(data, out)
+  if tok.vocab_size != vocab or tok.image_id != image:
+    raise SystemExit(
+        f"trained {tok.vocab_size} ids with <|image|> = {tok.image_id}, but the config has "
+        f"config.model.vocab_size={vocab} and config.model.image_token_id={image}; the tokenizer's "
+        f"<|image|> is its last id, so set image_token_id = vocab_size - 1 (a padded vocab such as "
+        "tiny_sharded's reuses the unpadded variant's tokenizer). Nothing was written.")
+  epath.Path(out).parent.mkdir(parents=True, exist_ok=True)
+  epath.Path(out).write_bytes(data)
+
+  heldout = tok_lib.stdlib_heldout_text(_MAX_BYTES.value, _HELDOUT_BYTES.value)
+  heldout_bytes = len(heldout.encode("utf-8"))
+  ids = tok.encode(heldout)
+  assert tok.decode(ids) == heldout, "round trip failed on the held-out text"
+  corpus_sha = hashlib.sha256("".join(texts).encode("utf-8")).hexdigest()
+  result = {
+      "out": out, "vocab_size": tok.vocab_size,
+      "merges": tok.vocab_size - 256 - len(tok_lib.SPECIAL_TOKENS),
+      "train_bytes": _MAX_BYTES.value, "heldout_bytes": heldout_bytes,
+      "heldout_bytes_per_token": heldout_bytes / len(ids),
+      "heldout_tokens_per_byte": len(ids) / heldout_bytes,
+      "special_ids": tok.special_ids, "fingerprint": tok.fingerprint,
+      "corpus_sha256": corpus_sha, "python": platform.python_version()}
+  print(f"wrote {out} ({len(data):,} bytes, sha256 {tok.fingerprint[:16]})")
+  print(f"vocab size {tok.vocab_size}: 256 bytes + {result['merges']} merges + "
+        f"{len(tok_lib.SPECIAL_TOKENS)} special tokens")
+  print(f"held-out: {heldout_bytes:,} bytes -> {len(ids):,} tokens = "
+        f"{result['heldout_bytes_per_token']:.3f} bytes/token")
+  print("special ids: " + ", ".join(f"{t}={i}" for t, i in tok.special_ids.items()))
+  print(json.dumps(result))
+
+
+if __name__ == "__main__":
+  app.run(main)
