@@ -220,6 +220,8 @@ def _train() -> ml_collections.ConfigDict:
   t.seq_aux_weight = 1e-4  # sequence-wise balance loss (DeepSeek-V3)
   t.indexer_loss_weight = 1.0  # DSA indexer KL; its gradient reaches only the indexer
   t.router_bias_rate = 1e-3  # aux-loss-free bias update per step
+  t.grad_accum = 1  # micro-batches per optimizer step (global_batch must divide)
+  t.nan_policy = "stop"  # non-finite loss/grads: "stop" (name the tensor) or "skip" the update
   return t
 
 

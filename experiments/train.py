@@ -31,17 +31,23 @@ from model.decoder import Horizon
 from sharding import mesh as mesh_lib
 from sharding.state import create_sharded_model
 from training import byte_corpus
-from training.train_step import TrainConfig, jit_train_step, make_optimizer
+from training.train_step import TrainConfig, grad_names, jit_train_step, make_train_state, nonfinite_report
 
 _CONFIG = define_config_flag()
 _LOG_EVERY = flags.DEFINE_integer("log_every", 1, "Print metrics every N steps.")
 
 
+def _to_host(v: jax.Array) -> np.ndarray:
+  # Metrics may be split over devices of other processes (e.g. per-expert load).
+  return np.asarray(v if v.is_fully_replicated else multihost_utils.process_allgather(v, tiled=True))
+
+
 def _host_metrics(metrics: dict) -> dict:
   out = {}
   for k, v in metrics.items():
-    # Metrics may be split over devices of other processes (e.g. per-expert load).
-    v = np.asarray(v if v.is_fully_replicated else multihost_utils.process_allgather(v, tiled=True))
+    v = _to_host(v)
+    if k in ("grad_finite", "param_finite"):
+      continue
     if k == "load":  # per-layer max/mean and min/mean expert load
       mean = v.mean(axis=-1)
       out["load_max_over_mean"] = float(np.max(v.max(axis=-1) / mean))
@@ -60,18 +66,22 @@ def run(config) -> list[float]:
   corpus = byte_corpus.load_stdlib_bytes()
   with mesh_lib.activate(mesh):
     model = create_sharded_model(lambda: Horizon(cfg, rngs=nnx.Rngs(config.seed)), mesh)
-    optimizer = nnx.Optimizer(model, make_optimizer(tc), wrt=nnx.Param)
+    optimizer = make_train_state(model, tc)
+    names = grad_names(model, optimizer)
     losses = []
     for step in range(tc.steps):
       batch = byte_corpus.global_batch(
           mesh, tc.global_batch, tc.seq_len,
           lambda rows, s=step: byte_corpus.lm_rows(corpus, config.seed, s, rows, tc.seq_len))
       t0 = time.perf_counter()
-      metrics = _host_metrics(jit_train_step(model, optimizer, batch, tc))
+      raw = jit_train_step(model, optimizer, batch, tc)
+      problem = nonfinite_report(step, {k: _to_host(raw[k]) for k in
+                                        ("finite", "loss", "grad_finite", "param_finite")}, names)
+      if problem and tc.nan_policy == "stop":
+        raise FloatingPointError(problem)
+      metrics = _host_metrics(raw)
       metrics["step_seconds"] = time.perf_counter() - t0
       losses.append(metrics["loss"])
-      if not np.isfinite(metrics["loss"]):
-        raise FloatingPointError(f"step {step}: loss is {metrics['loss']}; stopping.")
       if jax.process_index() == 0 and (step % _LOG_EVERY.value == 0 or step == tc.steps - 1):
         print(json.dumps({"step": step, **metrics}), flush=True)
   return losses

@@ -20,6 +20,22 @@ Loss = mean token cross-entropy over the mask
        indexer: the model detaches the indexer's inputs).
 After the optimizer update, each MoE layer's selection bias moves by
 `router_bias_rate` against its measured load (aux-loss-free balancing).
+
+What trains: every nnx.Param, except in the indexer warm-up stage
+(`config.model.indexer_stage = 'dense_warmup'`), where only the lightning
+indexer's parameters receive gradients and updates (DeepSeek-V3.2: the
+indexer first learns to imitate dense attention with the model frozen).
+
+Gradient accumulation (`grad_accum` micro-batches) scans over the batch split
+along its rows. Every micro-batch's cross-entropy is normalised by the token
+count of the *whole* batch, so the accumulated gradient is exactly the
+gradient of the whole batch's loss.
+
+Non-finite loss or gradients never reach the weights: the update is wrapped in
+`optax.apply_if_finite` (state and weights unchanged, router biases frozen
+for that step) and the step reports `finite` plus per-tensor finiteness, so
+the launcher stops with the step and the first non-finite tensor's name
+(`nan_policy = 'stop'`) or logs and continues (`'skip'`).
 """
 
 from __future__ import annotations
@@ -29,9 +45,11 @@ from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
+from model.attention.dsa import GatedDSA
 from model.moe import find_moe_modules, update_router_biases
 
 BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids")
@@ -55,6 +73,8 @@ class TrainConfig:
   seq_aux_weight: float
   indexer_loss_weight: float
   router_bias_rate: float
+  grad_accum: int
+  nan_policy: str
 
   @classmethod
   def from_config(cls, train_cfg: Any) -> "TrainConfig":
@@ -68,15 +88,27 @@ class TrainConfig:
         raise ValueError(f"config.train.{f}={d[f]!r}: must be a positive int.")
     if d["learning_rate"] <= 0:
       raise ValueError(f"config.train.learning_rate={d['learning_rate']!r}: must be > 0.")
+    if not isinstance(d["grad_accum"], int) or d["grad_accum"] < 1:
+      raise ValueError(f"config.train.grad_accum={d['grad_accum']!r}: must be a positive int.")
+    if d["global_batch"] % d["grad_accum"]:
+      raise ValueError(f"config.train.global_batch={d['global_batch']} is not divisible by "
+                       f"config.train.grad_accum={d['grad_accum']}.")
+    if d["nan_policy"] not in ("stop", "skip"):
+      raise ValueError(f"config.train.nan_policy={d['nan_policy']!r}: choose 'stop' or 'skip'.")
     return cls(**d)
 
 
 def learning_rate_schedule(tc: TrainConfig) -> optax.Schedule:
-  """Linear warm-up to learning_rate, then cosine decay to end_lr_fraction of it."""
-  return optax.warmup_cosine_decay_schedule(
+  """Linear warm-up to learning_rate, then cosine decay to end_lr_fraction of it.
+
+  Update n (0-based) uses the rate at n + 1, so the first update is not a
+  wasted step at rate 0 and warm-up reaches the peak on update warmup_steps-1.
+  """
+  base = optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=tc.learning_rate, warmup_steps=max(tc.warmup_steps, 1),
       decay_steps=max(tc.steps, tc.warmup_steps + 1),
       end_value=tc.learning_rate * tc.end_lr_fraction)
+  return lambda count: base(count + 1)
 
 
 def decay_mask(params: Any) -> Any:
@@ -85,11 +117,25 @@ def decay_mask(params: Any) -> Any:
 
 
 def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
-  """Global-norm clipping, then AdamW with the warm-up + cosine schedule."""
-  return optax.chain(
+  """Global-norm clipping, then AdamW with the warm-up + cosine schedule; skips non-finite updates."""
+  return optax.apply_if_finite(optax.chain(
       optax.clip_by_global_norm(tc.grad_clip),
       optax.adamw(learning_rate_schedule(tc), b1=tc.b1, b2=tc.b2, eps=tc.eps,
-                  weight_decay=tc.weight_decay, mask=decay_mask))
+                  weight_decay=tc.weight_decay, mask=decay_mask)), max_consecutive_errors=1 << 30)
+
+
+def _is_indexer_param(path, value) -> bool:
+  return isinstance(value, nnx.Param) and any(str(p) in GatedDSA.INDEXER_PARAMS for p in path)
+
+
+def trainable(model_cfg) -> Any:
+  """The nnx filter of what trains: all Params, or only the indexer's in 'dense_warmup'."""
+  return _is_indexer_param if model_cfg.indexer_stage == "dense_warmup" else nnx.Param
+
+
+def make_train_state(model: nnx.Module, tc: TrainConfig) -> nnx.Optimizer:
+  """The optimizer over `trainable(model.cfg)`; its state inherits the parameters' shardings."""
+  return nnx.Optimizer(model, make_optimizer(tc), wrt=trainable(model.cfg))
 
 
 def token_cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array
@@ -101,19 +147,27 @@ def token_cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array
   return jnp.sum((logz - gold) * mask), jnp.sum(mask)
 
 
-def loss_fn(model: nnx.Module, batch: Mapping[str, jax.Array], tc: TrainConfig
+def loss_fn(model: nnx.Module, batch: Mapping[str, jax.Array], tc: TrainConfig,
+            total_tokens: jax.Array | None = None, micro_batches: int = 1
             ) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """Total loss and metrics for one batch (see module docstring)."""
+  """Total loss and metrics for one batch (see module docstring).
+
+  total_tokens / micro_batches: when the batch is one of several micro-batches,
+  the CE sum is divided by the whole batch's token count and the auxiliary
+  terms by the number of micro-batches, so the sum over micro-batches is the
+  whole batch's loss.
+  """
   missing = [k for k in BATCH_KEYS if k not in batch]
   if missing:
     raise ValueError(f"batch is missing {missing}; a batch needs {BATCH_KEYS} (+ optional loss_mask).")
   logits, aux = model(batch["inputs"], batch["positions"], batch["segment_ids"], batch.get("images"))
   mask = batch.get("loss_mask", (batch["segment_ids"] > 0).astype(jnp.float32))
   ce_sum, n = token_cross_entropy(logits, batch["targets"], mask)
-  ce = ce_sum / jnp.maximum(n, 1.0)
-  loss = (ce + tc.z_loss_weight * aux["z_loss"] + tc.seq_aux_weight * aux["seq_aux_loss"]
-          + tc.indexer_loss_weight * aux["indexer_loss"])
-  metrics = {"loss": loss, "ce": ce, "tokens": n, "z_loss": aux["z_loss"],
+  denom = jnp.maximum(n if total_tokens is None else total_tokens, 1.0)
+  aux_loss = (tc.z_loss_weight * aux["z_loss"] + tc.seq_aux_weight * aux["seq_aux_loss"]
+              + tc.indexer_loss_weight * aux["indexer_loss"])
+  loss = ce_sum / denom + aux_loss / micro_batches
+  metrics = {"ce_sum": ce_sum, "tokens": n, "z_loss": aux["z_loss"],
              "seq_aux_loss": aux["seq_aux_loss"], "indexer_loss": aux["indexer_loss"]}
   if "load" in aux:
     metrics["load"] = aux["load"]
@@ -121,16 +175,104 @@ def loss_fn(model: nnx.Module, batch: Mapping[str, jax.Array], tc: TrainConfig
   return loss, metrics
 
 
+def _split_micro(batch: Mapping[str, jax.Array], k: int) -> dict[str, jax.Array]:
+  """[b, ...] -> [k, b/k, ...]: micro-batch i takes every k-th row, so each
+  micro-batch keeps the batch's sharding over the batch mesh axes."""
+  def split(x):
+    b = x.shape[0]
+    if b % k:
+      raise ValueError(f"batch of {b} rows is not divisible by config.train.grad_accum={k}.")
+    return jnp.swapaxes(x.reshape((b // k, k) + x.shape[1:]), 0, 1)
+  return {name: split(x) for name, x in batch.items()}
+
+
+def _grads(model: nnx.Module, batch, tc: TrainConfig, wrt) -> tuple[Any, dict]:
+  """Gradients w.r.t. `wrt` and summed metrics, over tc.grad_accum micro-batches."""
+  mask = batch.get("loss_mask", (batch["segment_ids"] > 0).astype(jnp.float32))
+  total = jnp.sum(mask.astype(jnp.float32))
+  grad_fn = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, wrt), has_aux=True)
+  k = tc.grad_accum
+  if k == 1:
+    (loss, metrics), grads = grad_fn(model, batch, tc, total, 1)
+    return grads, {**metrics, "loss": loss}
+  graphdef, state = nnx.split(model)
+
+  def body(carry, micro):
+    # The model state rides in the carry (unchanged) so the Variables built by
+    # merge hold values of the scan's own trace level, as nnx transforms require.
+    st, g_sum, m_sum = carry
+    (loss, metrics), g = grad_fn(nnx.merge(graphdef, st), micro, tc, total, k)
+    metrics = {**metrics, "loss": loss}
+    return (st, jax.tree.map(jnp.add, g_sum, g), jax.tree.map(jnp.add, m_sum, metrics)), None
+
+  micro = _split_micro(batch, k)
+  first = jax.tree.map(lambda x: x[0], micro)
+  shapes = jax.eval_shape(lambda st, mb, n: grad_fn(nnx.merge(graphdef, st), mb, tc, n, k),
+                          state, first, total)
+  (_, m0), g0 = shapes
+  zeros = lambda t: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), t)  # noqa: E731
+  init = (state, zeros(g0), zeros({**m0, "loss": shapes[0][0]}))
+  (_, grads, metrics), _ = jax.lax.scan(body, init, micro)
+  for name in ("z_loss", "seq_aux_loss", "indexer_loss"):
+    metrics[name] = metrics[name] / k
+  return grads, metrics
+
+
 def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: Mapping[str, jax.Array],
                tc: TrainConfig) -> dict[str, jax.Array]:
-  """One optimizer step (call through `jit_train_step`). Updates model and optimizer in place."""
-  (_, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, batch, tc)
-  metrics["grad_norm"] = optax.global_norm(grads)
-  optimizer.update(model, grads)
+  """One optimizer step (call through `jit_train_step`). Updates model and optimizer in place.
+
+  Returns metrics: loss, ce, tokens, z_loss, seq_aux_loss, indexer_loss,
+  grad_norm, learning_rate, finite (bool), grad_finite / param_finite (bool
+  per trainable leaf before the update, in `grad_names` order), and for MoE
+  models load [n_moe, E], dropped.
+  """
+  grads, metrics = _grads(model, batch, tc, optimizer.wrt)
+  metrics["ce"] = metrics.pop("ce_sum") / jnp.maximum(metrics["tokens"], 1.0)
+  leaves = jax.tree.leaves(grads)
+  metrics["grad_finite"] = jnp.stack([jnp.all(jnp.isfinite(g)) for g in leaves])
+  metrics["param_finite"] = jnp.stack([jnp.all(jnp.isfinite(p))
+                                      for p in jax.tree.leaves(nnx.state(model, optimizer.wrt))])
+  metrics["finite"] = jnp.isfinite(metrics["loss"]) & jnp.all(metrics["grad_finite"])
+  metrics["grad_norm"] = optax.tree.norm(grads)
+  metrics["learning_rate"] = learning_rate_schedule(tc)(_applied_updates(optimizer))
+  optimizer.update(model, grads)  # apply_if_finite: a no-op on non-finite gradients
   if "load" in metrics:
     moe = list(find_moe_modules(model).values())
-    update_router_biases(moe, list(metrics["load"]), tc.router_bias_rate)
+    rate = jnp.where(metrics["finite"], tc.router_bias_rate, 0.0)
+    update_router_biases(moe, list(metrics["load"]), rate)
   return metrics
+
+
+def _applied_updates(optimizer: nnx.Optimizer) -> jax.Array:
+  """How many updates the schedule has seen (apply_if_finite does not count skipped ones)."""
+  skipped = optimizer.opt_state.total_notfinite
+  skipped = skipped[...] if isinstance(skipped, nnx.Variable) else skipped
+  return optimizer.step[...] - skipped
+
+
+def grad_names(model: nnx.Module, optimizer: nnx.Optimizer) -> list[str]:
+  """Paths of the trainable leaves, in the order of metrics['grad_finite'] / ['param_finite']."""
+  state = nnx.state(model, optimizer.wrt)
+  return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(state)]
+
+
+def nonfinite_report(step: int, metrics: Mapping[str, Any], names: list[str]) -> str | None:
+  """None if the step was finite, else a message naming the first non-finite tensor.
+
+  Order of blame: a non-finite parameter (the cause), then the loss, then the
+  first non-finite gradient in parameter order.
+  """
+  if bool(metrics["finite"]):
+    return None
+  bad_params = [n for n, ok in zip(names, metrics["param_finite"], strict=True) if not ok]
+  bad_grads = [n for n, ok in zip(names, metrics["grad_finite"], strict=True) if not ok]
+  what = (f"parameter {bad_params[0]} is non-finite" if bad_params else
+          f"loss is {float(metrics['loss'])}" if not np.isfinite(float(metrics["loss"])) else
+          f"gradient of {bad_grads[0]} is non-finite")
+  return (f"step {step}: {what} ({len(bad_grads)} of {len(names)} gradients non-finite); the update "
+          "was not applied. Lower the learning rate, check the data, or set "
+          "config.train.nan_policy='skip' to skip such steps.")
 
 
 jit_train_step = nnx.jit(train_step, static_argnames=("tc",), donate_argnums=(0, 1))
