@@ -1,0 +1,93 @@
+"""The pretraining launcher end to end: resume after SIGKILL gives the same weights as no kill."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from training.checkpoint import restore_params
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cmd(workdir, prepared, steps):
+  return [sys.executable, "-m", "experiments.pretrain", "--config=configs/pretrain.py:tiny",
+          f"--workdir={workdir}", f"--config.data.prepared_dir={prepared}",
+          "--config.data.max_docs=120", f"--config.train.steps={steps}",
+          "--config.train.global_batch=4", "--config.train.seq_len=32", "--config.checkpoint.every=10",
+          "--config.metrics.log_every=1", "--config.metrics.tensorboard=False",
+          "--config.metrics.peak_flops=1e12"]
+
+
+def _env():
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+  env["JAX_PLATFORMS"] = "cpu"
+  return env
+
+
+def _params(workdir, step):
+  from configs import pretrain
+  from model.config import ModelConfig
+  from model.decoder import abstract_model
+  cfg = ModelConfig.from_config(pretrain.get_config("tiny").model)
+  model = abstract_model(cfg)
+  graphdef, state = nnx.split(model)
+  model = nnx.merge(graphdef, jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), state))
+  restore_params(Path(workdir) / "checkpoints", model, step=step)
+  return {jax.tree_util.keystr(p): np.asarray(v) for p, v in
+          jax.tree_util.tree_leaves_with_path(nnx.state(model))}
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+  base = tmp_path_factory.mktemp("pretrain")
+  prepared = base / "data"
+  run = subprocess.run(_cmd(base / "straight", prepared, 60), cwd=ROOT, env=_env(), text=True,
+                       capture_output=True, timeout=900)
+  assert run.returncode == 0, run.stderr[-3000:]
+  summary = json.loads(run.stdout.strip().splitlines()[-1])
+  return base, prepared, summary
+
+
+def test_straight_run_learns_and_checkpoints(straight):
+  base, _, summary = straight
+  assert summary["start_step"] == 0 and summary["latest_checkpoint"] == 60
+  assert summary["losses"][-1] < summary["losses"][0] - 1.0
+  lines = (base / "straight" / "metrics.jsonl").read_text().splitlines()
+  assert len(lines) == 60 and {"loss", "perplexity", "tokens_per_s", "mfu", "learning_rate",
+                               "grad_norm"} <= set(json.loads(lines[-1]))
+  assert sorted(int(p.name) for p in (base / "straight" / "checkpoints").iterdir()) == [40, 50, 60]
+
+
+def test_sigkill_and_resume_is_identical(straight):
+  base, prepared, _ = straight
+  work = base / "killed"
+  proc = subprocess.Popen(_cmd(work, prepared, 60), cwd=ROOT, env=_env(), text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+  deadline = time.time() + 600
+  while not (work / "checkpoints" / "10").is_dir():  # orbax renames the tmp dir on commit
+    assert proc.poll() is None, proc.stderr.read()[-3000:]
+    assert time.time() < deadline
+    time.sleep(0.02)
+  os.kill(proc.pid, signal.SIGKILL)
+  proc.wait()
+  done = sorted(int(p.name) for p in (work / "checkpoints").iterdir() if p.name.isdigit())
+  assert 60 not in done, f"the run finished before the kill ({done}); the test proves nothing"
+  run = subprocess.run(_cmd(work, prepared, 60), cwd=ROOT, env=_env(), text=True,
+                       capture_output=True, timeout=900)
+  assert run.returncode == 0, run.stderr[-3000:]
+  summary = json.loads(run.stdout.strip().splitlines()[-1])
+  assert summary["start_step"] in done and summary["start_step"] >= 10
+  a, b = _params(base / "straight", 60), _params(work, 60)
+  assert a.keys() == b.keys()
+  for k in a:
+    np.testing.assert_array_equal(b[k], a[k], err_msg=k)
