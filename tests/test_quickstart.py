@@ -1,0 +1,24 @@
+"""The README's main command, shortened (slow: it trains for real)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_quickstart_trains_below_unigram_and_samples(tmp_path):
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+  run = subprocess.run([sys.executable, "-m", "experiments.quickstart", "--config=configs/pretrain.py:tiny",
+                        f"--workdir={tmp_path}"], cwd=ROOT, env=env, text=True, capture_output=True,
+                       timeout=1800)
+  assert run.returncode == 0, run.stderr[-3000:]
+  out = json.loads(run.stdout.strip().splitlines()[-1])
+  assert out["loss_over_unigram"] < 0.8, out
+  assert out["decode_max_logit_diff"] < 1e-3 and out["sample"] and out["steps"] == 300
+  assert (tmp_path / "metrics.jsonl").exists() and (tmp_path / "checkpoints" / "300").is_dir()
