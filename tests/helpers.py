@@ -21,3 +21,20 @@ def assert_close(actual, expected, dtype="float32", rtol=None, what=""):
   tol = _RTOL[str(np.dtype(dtype))] if rtol is None else rtol
   err = rel_err(actual, expected)
   assert err <= tol, f"{what}: relative error {err:.3g} > {tol:g}"
+
+
+def subprocess_env(devices: int) -> dict:
+  """Environment for a test's child JAX process: CPU with `devices` devices, the suite's compile cache.
+
+  Children that compile the same programs (a run, its killed twin, its resume)
+  then compile once per suite run.
+  """
+  import os
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+  env["JAX_PLATFORMS"] = "cpu"
+  env["JAX_COMPILATION_CACHE_DIR"] = os.environ.get("HORIZON_JAX_CACHE", "/tmp/horizon_jax_cache")
+  env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.5"
+  for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+    env.pop(k, None)
+  return env

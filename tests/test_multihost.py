@@ -1,7 +1,6 @@
 """Multi-process training: 2 local processes x 2 CPU devices == 1 process x 4 devices."""
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -11,22 +10,13 @@ import jax
 import numpy as np
 
 from sharding import mesh as mesh_lib
-from tests.helpers import assert_close
+from tests.helpers import assert_close, subprocess_env
 from training import byte_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = [sys.executable, "-m", "experiments.train", "--config=configs/horizon.py:tiny_sharded",
          "--config.mesh.fsdp=1", "--config.mesh.data=1", "--config.mesh.expert=4",
          "--config.train.steps=3", "--config.train.global_batch=8", "--config.train.seq_len=32"]
-
-
-def _env(devices):
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-  env["JAX_PLATFORMS"] = "cpu"
-  for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
-    env.pop(k, None)
-  return env
 
 
 def _json_lines(out: str) -> list[dict]:
@@ -46,7 +36,7 @@ def _free_port() -> int:
 def test_two_processes_match_one_process():
   port = _free_port()
   procs = [subprocess.Popen(TRAIN + [f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
-                                     f"--process_id={i}"], cwd=ROOT, env=_env(2), text=True,
+                                     f"--process_id={i}"], cwd=ROOT, env=subprocess_env(2), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]
   outs = []
   for p in procs:
@@ -55,7 +45,8 @@ def test_two_processes_match_one_process():
     outs.append(out)
   multi = _summary(outs[0])
   assert not any(line.startswith("{") for line in outs[1].splitlines())  # only process 0 reports
-  single_run = subprocess.run(TRAIN, cwd=ROOT, env=_env(4), text=True, capture_output=True, timeout=600)
+  single_run = subprocess.run(TRAIN, cwd=ROOT, env=subprocess_env(4), text=True, capture_output=True,
+                              timeout=600)
   assert single_run.returncode == 0, single_run.stderr[-3000:]
   single = _summary(single_run.stdout)
   assert multi["processes"] == 2 and multi["devices"] == 4
@@ -67,7 +58,7 @@ def test_two_processes_match_one_process():
 
 
 def test_launcher_rejects_incomplete_distributed_flags():
-  run = subprocess.run(TRAIN + ["--num_processes=2"], cwd=ROOT, env=_env(2), text=True,
+  run = subprocess.run(TRAIN + ["--num_processes=2"], cwd=ROOT, env=subprocess_env(2), text=True,
                        capture_output=True, timeout=300)
   assert run.returncode != 0
   assert "missing ['coordinator_address', 'process_id']" in run.stderr

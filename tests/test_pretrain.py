@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from tests.helpers import subprocess_env
 from training.checkpoint import restore_params
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,13 +26,6 @@ def _cmd(workdir, prepared, steps):
           "--config.train.global_batch=4", "--config.train.seq_len=32", "--config.checkpoint.every=10",
           "--config.metrics.log_every=1", "--config.metrics.tensorboard=False",
           "--config.metrics.peak_flops=1e12"]
-
-
-def _env():
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
-  env["JAX_PLATFORMS"] = "cpu"
-  return env
 
 
 def _params(workdir, step):
@@ -51,7 +45,7 @@ def _params(workdir, step):
 def straight(tmp_path_factory):
   base = tmp_path_factory.mktemp("pretrain")
   prepared = base / "data"
-  run = subprocess.run(_cmd(base / "straight", prepared, 60), cwd=ROOT, env=_env(), text=True,
+  run = subprocess.run(_cmd(base / "straight", prepared, 60), cwd=ROOT, env=subprocess_env(1), text=True,
                        capture_output=True, timeout=900)
   assert run.returncode == 0, run.stderr[-3000:]
   summary = json.loads(run.stdout.strip().splitlines()[-1])
@@ -71,7 +65,7 @@ def test_straight_run_learns_and_checkpoints(straight):
 def test_sigkill_and_resume_is_identical(straight):
   base, prepared, _ = straight
   work = base / "killed"
-  proc = subprocess.Popen(_cmd(work, prepared, 60), cwd=ROOT, env=_env(), text=True,
+  proc = subprocess.Popen(_cmd(work, prepared, 60), cwd=ROOT, env=subprocess_env(1), text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
   deadline = time.time() + 600
   while not (work / "checkpoints" / "10").is_dir():  # orbax renames the tmp dir on commit
@@ -82,7 +76,7 @@ def test_sigkill_and_resume_is_identical(straight):
   proc.wait()
   done = sorted(int(p.name) for p in (work / "checkpoints").iterdir() if p.name.isdigit())
   assert 60 not in done, f"the run finished before the kill ({done}); the test proves nothing"
-  run = subprocess.run(_cmd(work, prepared, 60), cwd=ROOT, env=_env(), text=True,
+  run = subprocess.run(_cmd(work, prepared, 60), cwd=ROOT, env=subprocess_env(1), text=True,
                        capture_output=True, timeout=900)
   assert run.returncode == 0, run.stderr[-3000:]
   summary = json.loads(run.stdout.strip().splitlines()[-1])
