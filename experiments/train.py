@@ -23,7 +23,6 @@ import jax
 import numpy as np
 from absl import app, flags
 from flax import nnx
-from jax.experimental import multihost_utils
 
 from experiments import distributed
 from experiments.config_util import define_config_flag, model_config
@@ -31,21 +30,17 @@ from model.decoder import Horizon
 from sharding import mesh as mesh_lib
 from sharding.state import create_sharded_model
 from training import byte_corpus
+from training.loop import host_value
 from training.train_step import TrainConfig, grad_names, jit_train_step, make_train_state, nonfinite_report
 
 _CONFIG = define_config_flag()
 _LOG_EVERY = flags.DEFINE_integer("log_every", 1, "Print metrics every N steps.")
 
 
-def _to_host(v: jax.Array) -> np.ndarray:
-  # Metrics may be split over devices of other processes (e.g. per-expert load).
-  return np.asarray(v if v.is_fully_replicated else multihost_utils.process_allgather(v, tiled=True))
-
-
 def _host_metrics(metrics: dict) -> dict:
   out = {}
   for k, v in metrics.items():
-    v = _to_host(v)
+    v = host_value(v)
     if k in ("grad_finite", "param_finite"):
       continue
     if k == "load":  # per-layer max/mean and min/mean expert load
@@ -75,7 +70,7 @@ def run(config) -> list[float]:
           lambda rows, s=step: byte_corpus.lm_rows(corpus, config.seed, s, rows, tc.seq_len))
       t0 = time.perf_counter()
       raw = jit_train_step(model, optimizer, batch, tc)
-      problem = nonfinite_report(step, {k: _to_host(raw[k]) for k in
+      problem = nonfinite_report(step, {k: host_value(raw[k]) for k in
                                         ("finite", "loss", "grad_finite", "param_finite")}, names)
       if problem and tc.nan_policy == "stop":
         raise FloatingPointError(problem)

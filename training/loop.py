@@ -41,7 +41,6 @@ from training.train_step import (
   TrainConfig,
   grad_names,
   jit_train_step,
-  learning_rate_schedule,
   make_train_state,
   nonfinite_report,
 )
@@ -70,8 +69,8 @@ def prepare_data(config, workdir: str, tokenizer) -> dict:
   return data_lib.load_manifest(out)
 
 
-def _host(v: jax.Array) -> np.ndarray:
-  # Metrics may be split over devices of other processes (e.g. per-expert load).
+def host_value(v: jax.Array) -> np.ndarray:
+  """A metric as numpy on every process (it may be split over other processes' devices)."""
   return np.asarray(v if v.is_fully_replicated else multihost_utils.process_allgather(v, tiled=True))
 
 
@@ -137,18 +136,18 @@ class _Run:
     batch = _global_batch(self.mesh, next(self.data), tc.global_batch)
     t0 = time.perf_counter()
     raw = jit_train_step(self.model, self.optimizer, batch, tc)
-    flags_ = {k: _host(raw[k]) for k in _FLAGS_KEYS}
+    flags_ = {k: host_value(raw[k]) for k in _FLAGS_KEYS}
     seconds = time.perf_counter() - t0
     problem = nonfinite_report(step, flags_, self.names)
     if problem:
       if tc.nan_policy == "stop":
         raise FloatingPointError(problem)
       logging.warning("%s", problem)
-    host = {k: _host(v) for k, v in raw.items() if k not in ("grad_finite", "param_finite")}
+    host = {k: host_value(v) for k, v in raw.items() if k not in ("grad_finite", "param_finite")}
     return metrics_lib.derive_metrics(
         host, step_seconds=seconds, tokens=tc.global_batch * tc.seq_len,
         flops_per_token_train=flops_train, peak_flops=peak,
-        learning_rate=float(learning_rate_schedule(tc)(step)),
+        learning_rate=float(host["learning_rate"]),
         router_bias_norm=metrics_lib.router_bias_norm(self.model))
 
 
