@@ -155,7 +155,7 @@ def run(config, workdir: str) -> dict[str, Any]:
   """Trains config.train.steps steps (resuming if a checkpoint exists); returns the summary."""
   r = _Run(config, workdir)
   tc = r.tc
-  flops_train = metrics_lib.flops_per_token(r.cfg, tc.seq_len)["train"]
+  flops_train = metrics_lib.flops_per_token(r.cfg, tc.seq_len)["train_model"]  # MFU: no recompute
   per_device, source = metrics_lib.resolve_peak_flops(config.metrics.peak_flops)
   peak = metrics_lib.total_peak_flops(per_device, jax.device_count(), jax.default_backend())
   logging.info("peak %.3g FLOP/s per device (%s); %.3g train FLOPs per token", per_device, source,
