@@ -9,7 +9,8 @@ Defaults: the tokenizer is `config.data.tokenizer` if the config has a `data`
 section, else the one bundled for `config.variant`; sources are
 `config.data.sources` or 'stdlib=1.0' (the running interpreter's standard
 library, no download); the output is `config.data.prepared_dir` or
-data/prepared/<variant>. Re-running on prepared data is a no-op ("up to
+data/prepared/<variant>; `config.data.max_docs` caps documents per source.
+Flags override the config. Re-running on prepared data is a no-op ("up to
 date"). Prints one line per source and, last, a JSON summary.
 """
 
@@ -31,7 +32,8 @@ _OUT = flags.DEFINE_string("out", None, "Output directory (default: config.data.
                            "data/prepared/<variant>).")
 _TOKENIZER = flags.DEFINE_string("tokenizer", None, "Tokenizer file (default: config.data.tokenizer or "
                                  "the variant's bundled tokenizer).")
-_MAX_DOCS = flags.DEFINE_integer("max_docs", None, "Keep only the first N documents of each source.")
+_MAX_DOCS = flags.DEFINE_integer("max_docs", None, "Keep only the first N documents of each source "
+                                 "(default: config.data.max_docs; 0 = all).")
 _DOCS_PER_SHARD = flags.DEFINE_integer("docs_per_shard", 256, "Documents per ArrayRecord shard.")
 
 
@@ -54,7 +56,7 @@ def main(argv):
   out = _setting(config, _OUT, "prepared_dir", f"data/prepared/{config.variant}")
   t0 = time.perf_counter()
   manifest = data.prepare(sources, tokenizer, out, docs_per_shard=_DOCS_PER_SHARD.value,
-                          max_docs=_MAX_DOCS.value)
+                          max_docs=_setting(config, _MAX_DOCS, "max_docs", 0) or None)
   seconds = time.perf_counter() - t0
   summary = data.manifest_summary(manifest)
   for name, s in summary.items():

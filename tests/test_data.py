@@ -288,3 +288,21 @@ def test_processes_read_disjoint_documents(varied):
   assert seen[0] | seen[1] == set(range(40))  # ~1.2 epochs each: every doc identified
   with pytest.raises(data.DataError, match=r"process_index=2 must be in \[0, process_count=2\)"):
     data.make_lm_dataset(out, None, 31, 2, seed=3, process_index=2, process_count=2)
+
+
+def test_prepare_data_launcher_and_noop_rerun(tmp_path):
+  import subprocess
+  import sys
+  from pathlib import Path
+
+  root = Path(__file__).resolve().parents[1]
+  _write_docs(tmp_path / "docs", 4, seed=8)
+  cmd = [sys.executable, "-m", "experiments.prepare_data", "--config=configs/pretrain.py:tiny",
+         f"--sources=stdlib=0.9;text:{tmp_path}/docs/*.txt=0.1", "--max_docs=3", f"--out={tmp_path}/p"]
+  runs = [subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300) for _ in range(2)]
+  for r in runs:
+    assert r.returncode == 0, r.stderr[-2000:]
+  first, second = (json.loads(r.stdout.strip().splitlines()[-1]) for r in runs)
+  assert first["sources"]["stdlib"]["documents"] == 3 and first["sources"]["text_0"]["weight"] == 0.1
+  assert not first["up_to_date"] and second["up_to_date"] and second["sources"] == first["sources"]
+  assert "stdlib: 3 docs" in runs[0].stdout

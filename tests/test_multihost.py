@@ -8,6 +8,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 
 from sharding import mesh as mesh_lib
 from tests.helpers import assert_close, subprocess_env
@@ -33,7 +34,9 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_process():
+  """Slow (three JAX processes, ~2 minutes on 2 cores): `python -m pytest -q -m slow`."""
   port = _free_port()
   procs = [subprocess.Popen(TRAIN + [f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
                                      f"--process_id={i}"], cwd=ROOT, env=subprocess_env(2), text=True,

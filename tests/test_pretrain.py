@@ -1,4 +1,7 @@
-"""The pretraining launcher end to end: resume after SIGKILL gives the same weights as no kill."""
+"""The pretraining launcher end to end: resume after SIGKILL gives the same weights as no kill.
+
+Slow (three launcher processes, ~3 minutes on 2 cores): `python -m pytest -q -m slow`.
+"""
 
 import json
 import os
@@ -52,6 +55,7 @@ def straight(tmp_path_factory):
   return base, prepared, summary
 
 
+@pytest.mark.slow
 def test_straight_run_learns_and_checkpoints(straight):
   base, _, summary = straight
   assert summary["start_step"] == 0 and summary["latest_checkpoint"] == 60
@@ -62,6 +66,7 @@ def test_straight_run_learns_and_checkpoints(straight):
   assert sorted(int(p.name) for p in (base / "straight" / "checkpoints").iterdir()) == [40, 50, 60]
 
 
+@pytest.mark.slow
 def test_sigkill_and_resume_is_identical(straight):
   base, prepared, _ = straight
   work = base / "killed"
