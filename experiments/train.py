@@ -20,7 +20,6 @@ import json
 import time
 
 import jax
-import numpy as np
 from absl import app, flags
 from flax import nnx
 
@@ -31,6 +30,7 @@ from sharding import mesh as mesh_lib
 from sharding.state import create_sharded_model
 from training import byte_corpus
 from training.loop import host_value
+from training.metrics import load_ratios
 from training.train_step import TrainConfig, grad_names, jit_train_step, make_train_state, nonfinite_report
 
 _CONFIG = define_config_flag()
@@ -43,10 +43,8 @@ def _host_metrics(metrics: dict) -> dict:
     v = host_value(v)
     if k in ("grad_finite", "param_finite"):
       continue
-    if k == "load":  # per-layer max/mean and min/mean expert load
-      mean = v.mean(axis=-1)
-      out["load_max_over_mean"] = float(np.max(v.max(axis=-1) / mean))
-      out["load_min_over_mean"] = float(np.min(v.min(axis=-1) / mean))
+    if k == "load":
+      out.update(load_ratios(v))
     else:
       out[k] = float(v)
   return out

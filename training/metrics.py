@@ -261,7 +261,8 @@ def total_peak_flops(per_device: float, num_devices: int, platform: str) -> floa
 # ---------------------------------------------------------------------------
 # Derived metrics.
 # ---------------------------------------------------------------------------
-def _load_ratios(load: Any) -> dict[str, float]:
+def load_ratios(load: Any) -> dict[str, float]:
+  """Per-MoE-layer and overall expert load max/mean and min/mean from [n_moe, e] counts."""
   load = np.asarray(load, np.float64)
   if load.ndim != 2 or load.shape[1] < 1:
     raise ValueError(f"derive_metrics: raw['load'] must be [num_moe_layers, num_experts], got shape "
@@ -322,7 +323,7 @@ def derive_metrics(raw: dict, *, step_seconds: float, tokens: float, flops_per_t
   if "dropped" in raw:
     out["dropped"] = float(np.sum(np.asarray(raw["dropped"])))
   if "load" in raw:
-    out.update(_load_ratios(raw["load"]))
+    out.update(load_ratios(raw["load"]))
   if router_bias_norm is not None:
     out["router_bias_norm"] = float(router_bias_norm)
   return out
