@@ -95,13 +95,36 @@ class Horizon(nnx.Module):
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
       raise ValueError(f"{name}: expected int [batch, seq], got {tokens.dtype}{list(tokens.shape)}.")
 
-  def embed_inputs(self, tokens: jax.Array, images: jax.Array | None = None) -> jax.Array:
+  def encode_images(self, images: jax.Array) -> jax.Array:
+    """Vision encoder + projector: images [n, H, W, C] in [0, 1] -> [n, num_patches, d_model].
+
+    Generation encodes a request's images once and hands the patches to
+    chunked `prefill` calls through `image_embeds`.
+    """
+    if self.vision is None:
+      raise ValueError("images were given but config.model.vision.enabled is False.")
+    if images.ndim != 4:
+      raise ValueError(f"encode_images: expected images [n, H, W, C], got {list(images.shape)}.")
+    return self.vision(images)
+
+  def embed_inputs(self, tokens: jax.Array, images: jax.Array | None = None,
+                   image_embeds: jax.Array | None = None) -> jax.Array:
     """Token embeddings with image placeholders replaced by image patches.
 
     images: [b, m, H, W, C] — up to m images per row (pad with any image; the
     row's placeholders decide how many patches are used, in order).
+    image_embeds: [b, n, d_model] — already encoded patches (`encode_images`);
+    the j-th placeholder of a row takes row's patch j. Chunked prefill passes
+    each chunk the patches of the placeholders inside that chunk.
     """
     x = jnp.take(self.embed[...], tokens, axis=0).astype(self.cfg.jnp_dtype)
+    if image_embeds is not None:
+      if images is not None:
+        raise ValueError("pass images or image_embeds, not both.")
+      if image_embeds.ndim != 3 or image_embeds.shape[0] != tokens.shape[0]:
+        raise ValueError(f"image_embeds: expected [batch={tokens.shape[0]}, patches, d_model], "
+                         f"got {list(image_embeds.shape)}.")
+      return merge_image_embeddings(x, tokens, image_embeds, self.cfg.image_token_id)
     if images is None:
       return x
     if self.vision is None:
@@ -167,19 +190,22 @@ class Horizon(nnx.Module):
     return [blk.attn.init_cache(batch, max_len, self.cfg.jnp_dtype) for blk in self.blocks]
 
   def prefill(self, tokens: jax.Array, lengths: jax.Array, cache: list[Any],
-              images: jax.Array | None = None) -> tuple[jax.Array, list[Any]]:
+              images: jax.Array | None = None, image_embeds: jax.Array | None = None
+              ) -> tuple[jax.Array, list[Any]]:
     """Appends right-padded prompts to the cache.
 
     tokens [b, t]; lengths [b]: how many of each row's tokens are real (the
     rest is padding and leaves the state untouched). Returns logits
     [b, t, vocab] (rows' padding positions are meaningless) and the new cache.
-    Calling it again continues from the cache (chunked prefill).
+    Calling it again continues from the cache (chunked prefill); with images,
+    pass each chunk `image_embeds` holding the patches of its own
+    placeholders (see `embed_inputs`), since placeholders are numbered per call.
     """
     self._check_tokens(tokens)
     if lengths.shape != tokens.shape[:1]:
       raise ValueError(f"lengths: expected shape {tokens.shape[:1]}, got {lengths.shape}.")
     valid = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
-    x = self.embed_inputs(tokens, images)
+    x = self.embed_inputs(tokens, images, image_embeds)
     new_cache = []
     for block, c in zip(self.blocks, cache, strict=True):
       x, c = block.extend(x, valid, c)
@@ -192,6 +218,18 @@ class Horizon(nnx.Module):
       raise ValueError(f"decode_step: tokens must be [batch], got shape {tokens.shape}.")
     logits, cache = self.prefill(tokens[:, None], jnp.ones(tokens.shape, jnp.int32), cache)
     return logits[:, 0], cache
+
+
+def reset_cache_rows(cache: list[Any], rows: jax.Array) -> list[Any]:
+  """The cache with the rows where `rows` ([b] bool) is True emptied (as init_cache).
+
+  Every decode state (DSA latents/keys/lengths, Delta state/conv) starts at
+  zero, so a freed generation slot is reused by zeroing its row.
+  """
+  def reset(a):
+    mask = rows.reshape((-1,) + (1,) * (a.ndim - 1))
+    return jnp.where(mask, jnp.zeros((), a.dtype), a)
+  return jax.tree.map(reset, cache)
 
 
 def _collect_aux(auxes: list[dict[str, Any]]) -> dict[str, Any]:

@@ -125,6 +125,41 @@ def test_images_replace_placeholders_without_leakage(model, tiny_cfg):
   assert_close(logits[1, :2], text_only[1, :2], what="causal before image")
 
 
+def test_chunked_prefill_with_image_embeds_equals_forward(model, tiny_cfg):
+  """Chunks cut through images; each chunk gets its own placeholders' patches."""
+  tok, img = _image_inputs(tiny_cfg, 7)
+  full, _ = fwd(model, tok, images=img)
+  p = tiny_cfg.vision.num_patches
+  emb = np.asarray(nnx.jit(lambda m, x: m.encode_images(x))(
+      model, img.reshape((-1,) + img.shape[2:]))).reshape(2, 2 * p, -1)
+  t, cut = tok.shape[1], 3 + p // 2          # row 0's image is split across chunks
+  cache = model.init_cache(2, t)
+  outs = []
+  for lo, hi in ((0, cut), (cut, t)):
+    chunk = np.asarray(tok[:, lo:hi])
+    before = np.sum(np.asarray(tok[:, :lo]) == tiny_cfg.image_token_id, axis=1)
+    rows = np.zeros((2, hi - lo, emb.shape[-1]), np.float32)
+    for r in range(2):
+      n = int(np.sum(chunk[r] == tiny_cfg.image_token_id))
+      rows[r, :n] = emb[r, before[r]: before[r] + n]
+    lg, cache = nnx.jit(lambda m, x, n, c, e: m.prefill(x, n, c, image_embeds=e))(
+        model, jnp.asarray(chunk), jnp.full((2,), hi - lo, jnp.int32), cache, jnp.asarray(rows))
+    outs.append(lg)
+  assert_close(jnp.concatenate(outs, 1), full, rtol=1e-4, what="chunked prefill with images")
+
+
+def test_reset_cache_rows_empties_only_those_rows(model, tiny_cfg):
+  from model.decoder import reset_cache_rows
+  seq = _tokens(tiny_cfg, (2, 9), 8)
+  _, cache = prefill(model, seq, jnp.asarray([9, 9], jnp.int32), model.init_cache(2, 16))
+  reset = reset_cache_rows(cache, jnp.asarray([False, True]))
+  fresh = model.init_cache(2, 16)
+  for a, r, f in zip(jax.tree.leaves(cache), jax.tree.leaves(reset), jax.tree.leaves(fresh)):
+    np.testing.assert_array_equal(np.asarray(r[1]), np.asarray(f[1]))
+    np.testing.assert_array_equal(np.asarray(r[0]), np.asarray(a[0]))
+  assert any(float(jnp.max(jnp.abs(a[0].astype(jnp.float32)))) > 0 for a in jax.tree.leaves(cache))
+
+
 def test_gradient_flows_into_vision_encoder(model, tiny_cfg):
   tok, img = _image_inputs(tiny_cfg, 6)
 
