@@ -1,6 +1,6 @@
 """Horizon: a JAX research codebase for long-horizon agent models."""
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 setup(
     name="horizon",
@@ -8,10 +8,9 @@ setup(
     description="Hybrid Gated-DSA / Delta-attention MoE models in JAX + Flax NNX.",
     license="Apache-2.0",
     python_requires=">=3.11",
-    packages=[
-        "configs", "model", "model.attention", "rl", "sharding", "pallas_kernels",
-        "training", "serving", "experiments", "experiments.bench",
-    ],
+    packages=find_packages(include=[
+        "configs", "model*", "rl*", "sharding*", "pallas_kernels*", "training*", "serving*",
+        "experiments*"]),
     install_requires=[
         "jax>=0.10",
         "flax>=0.12.8",
@@ -26,7 +25,11 @@ setup(
         "array-record>=0.8",
         "orbax-checkpoint>=0.12",
         "tensorboardX>=2.6",
+        "fastapi>=0.115",
+        "uvicorn>=0.30",
+        "pillow>=10",
     ],
     package_data={"training": ["assets/*.json", "assets/README.md"]},
-    extras_require={"test": ["pytest>=8", "ruff>=0.15"]},
+    extras_require={"test": ["pytest>=8", "ruff>=0.15", "openai>=1.50", "anthropic>=0.40",
+                             "httpx>=0.27"]},
 )

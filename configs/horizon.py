@@ -94,7 +94,14 @@ def _full_model() -> ml_collections.ConfigDict:
   m.param_dtype = "bfloat16"
   m.dtype = "bfloat16"
   m.remat = "full"  # "none" | "full" | "save_dots"
-  m.attention_impl = "xla"  # "xla" | "pallas" (pallas kernels: later issue)
+  # Kernels for sparse attention, the indexer top-k, the delta rule and MXFP4
+  # matmuls: "pallas" (pallas_kernels/, interpret mode on CPU), "xla" (the
+  # plain JAX paths), or "auto" = pallas on TPU/GPU, xla on CPU.
+  m.kernels = "auto"
+  # Weight storage: "none" (param_dtype everywhere), "experts" (routed expert
+  # weights in MXFP4, OCP MX v1.0) or "all-linear" (every linear weight of the
+  # language model in MXFP4). Written by experiments/quantize.py.
+  m.quantization = "none"
   return m
 
 

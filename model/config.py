@@ -16,6 +16,8 @@ import jax.numpy as jnp
 LAYER_KINDS = ("dsa", "delta")
 FFN_KINDS = ("dense", "moe")
 _DTYPES = ("float32", "bfloat16", "float16")
+KERNELS = ("auto", "xla", "pallas")
+QUANTIZATIONS = ("none", "experts", "all-linear")
 
 
 class ConfigError(ValueError):
@@ -97,7 +99,8 @@ class ModelConfig:
   param_dtype: str
   dtype: str
   remat: str
-  attention_impl: str
+  kernels: str
+  quantization: str
 
   @classmethod
   def from_config(cls, model_cfg: Any) -> "ModelConfig":
@@ -132,6 +135,14 @@ class ModelConfig:
   @property
   def jnp_param_dtype(self):
     return jnp.dtype(self.param_dtype)
+
+  @property
+  def use_pallas(self) -> bool:
+    """Whether the Pallas kernels run ("auto": on TPU/GPU, not on CPU)."""
+    if self.kernels == "auto":
+      import jax  # noqa: PLC0415 - backend query only when asked
+      return jax.default_backend() in ("tpu", "gpu")
+    return self.kernels == "pallas"
 
   # ---- validation ----------------------------------------------------------
   def validate(self) -> None:
@@ -172,7 +183,8 @@ class ModelConfig:
     need(isinstance(self.capacity_factor, (int, float)) and self.capacity_factor > 0,
          "capacity_factor", "must be a positive number (>= the expert mesh axis size never drops).")
     need(self.remat in ("none", "full", "save_dots"), "remat", "choose 'none', 'full' or 'save_dots'.")
-    need(self.attention_impl in ("xla", "pallas"), "attention_impl", "choose 'xla' or 'pallas'.")
+    need(self.kernels in KERNELS, "kernels", f"choose one of {KERNELS}.")
+    need(self.quantization in QUANTIZATIONS, "quantization", f"choose one of {QUANTIZATIONS}.")
     for f in ("dtype", "param_dtype"):
       need(getattr(self, f) in _DTYPES, f, f"choose one of {_DTYPES}.")
     need(0 <= self.image_token_id < self.vocab_size, "image_token_id",

@@ -1,0 +1,65 @@
+"""Serving configs: configs/horizon.py (model) plus the generation server's settings.
+
+    python -m experiments.serve --checkpoint=/tmp/horizon_tiny/checkpoints \
+        --config=configs/serve.py:tiny --port=8000
+    python -m experiments.serve --config=configs/serve.py:tiny      # random weights (tests)
+
+When a checkpoint is given, its stored model config wins over the one here
+(the weights decide the shapes); every `serving` value comes from this file or
+`--config.serving.*` overrides. Every default lives here, once.
+"""
+
+import ml_collections
+
+from configs import horizon
+
+VARIANTS = horizon.VARIANTS
+
+# Thinking-token budgets per tier (how many tokens the model may think before
+# the engine forces the end-of-thinking token). Real models think for
+# thousands of tokens; the CPU variants scale the same ratios down.
+_BUDGETS = {
+    "tiny": (8, 32, 96),
+    "tiny_sharded": (8, 32, 96),
+    "small": (64, 512, 2048),
+    "full": (2048, 16384, 65536),
+}
+_SLOTS = {"tiny": 4, "tiny_sharded": 4, "small": 16, "full": 64}
+_CONTEXT = {"tiny": 256, "tiny_sharded": 256, "small": 2048, "full": 131072}
+_CHUNK = {"tiny": 32, "tiny_sharded": 32, "small": 128, "full": 8192}
+
+
+def _serving(variant: str) -> ml_collections.ConfigDict:
+  s = ml_collections.ConfigDict()
+  s.model_name = f"horizon-{variant}"  # the id /v1/models lists and responses echo
+  s.tokenizer = ""  # "" = the bundled tokenizer of the variant (training/assets)
+  # Engine: a fixed number of batch slots, each with a decode state of
+  # `max_context` tokens (prompt + generated), prefilled `prefill_chunk`
+  # tokens at a time. A request longer than max_context is rejected (400).
+  s.slots = _SLOTS[variant]
+  s.max_context = _CONTEXT[variant]
+  s.prefill_chunk = _CHUNK[variant]
+  s.max_queue = 1024  # waiting requests beyond this get 429/overloaded
+  s.default_max_tokens = 256  # OpenAI requests without max_(completion_)tokens
+  s.seed = 0  # engine RNG for requests without a seed
+  low, high, mx = _BUDGETS[variant]
+  s.thinking_budgets = ml_collections.ConfigDict({"low": low, "high": high, "max": mx})
+  # OpenAI reasoning_effort / Anthropic output_config.effort default when a
+  # request asks for nothing; "none" = no thinking unless asked.
+  s.default_effort = "none"
+  # Limits (400/413 with a message naming the limit).
+  s.max_images = 8  # per request
+  s.max_body_bytes = 16 * 1024 * 1024
+  s.max_tools = 64
+  # Auth: "" = open; else requests need `Authorization: Bearer KEY` or `x-api-key: KEY`.
+  s.api_key = ""
+  # HMAC key for Anthropic thinking-block signatures; "" = a random key per
+  # server start (signatures then do not survive a restart).
+  s.signing_key = ""
+  return s
+
+
+def get_config(variant: str = "tiny") -> ml_collections.ConfigDict:
+  config = horizon.get_config(variant)
+  config.serving = _serving(variant)
+  return config

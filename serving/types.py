@@ -1,0 +1,135 @@
+"""The data shared by the chat renderer, the engine, the output parser and both APIs.
+
+The OpenAI and Anthropic front-ends translate their JSON into these types and
+back; RL rollouts build them directly. Nothing here depends on JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Literal, Protocol
+
+import numpy as np
+
+Role = Literal["system", "user", "assistant", "tool"]
+Effort = Literal["low", "high", "max"]
+EFFORTS: tuple[str, ...] = ("low", "high", "max")
+
+
+@dataclasses.dataclass(frozen=True)
+class TextPart:
+  text: str
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ImagePart:
+  """An image already decoded and resized: float32 [H, W, C] in [0, 1]."""
+  pixels: np.ndarray
+
+
+Part = TextPart | ImagePart
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCall:
+  """A call the model made: `arguments` is a JSON object as text."""
+  id: str
+  name: str
+  arguments: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Tool:
+  """A tool the model may call: `parameters` is its JSON schema (an object schema)."""
+  name: str
+  description: str = ""
+  parameters: dict[str, Any] = dataclasses.field(default_factory=lambda: {"type": "object"})
+
+
+@dataclasses.dataclass
+class Message:
+  """One turn. system/user: content. assistant: thinking, content, tool_calls.
+
+  tool: content is the result of the call `tool_call_id` (to the tool `name`).
+  """
+  role: Role
+  content: list[Part] = dataclasses.field(default_factory=list)
+  thinking: str | None = None
+  tool_calls: list[ToolCall] = dataclasses.field(default_factory=list)
+  tool_call_id: str | None = None
+  name: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolChoice:
+  """none: never call; auto: the model decides; required: at least one call; named: call `name`."""
+  mode: Literal["none", "auto", "required", "named"] = "auto"
+  name: str | None = None
+
+
+# ---- what generation produces, in order, per request -------------------------
+@dataclasses.dataclass(frozen=True)
+class ThinkingDelta:
+  text: str
+
+
+@dataclasses.dataclass(frozen=True)
+class TextDelta:
+  text: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCallDelta:
+  """A complete, valid tool call (emitted once its closing marker arrived); index counts calls."""
+  index: int
+  call: ToolCall
+
+
+Delta = ThinkingDelta | TextDelta | ToolCallDelta
+
+# Why a request ended. 'stop': end of turn / EOS / a stop string; 'length':
+# max_tokens or the slot's context; 'tool_calls': the turn ended after tool
+# calls; 'cancelled': the client went away; 'error': the engine failed.
+FinishReason = Literal["stop", "length", "tool_calls", "cancelled", "error"]
+
+
+class TokenProcessor(Protocol):
+  """Per-request logic the engine consults around every sampled token.
+
+  The engine is agnostic of chat structure: `serving.output.OutputProcessor`
+  implements this (thinking budget, tool-call parsing, stop strings,
+  constrained tool calls).
+  """
+
+  def next_constraint(self) -> int | np.ndarray | None:
+    """A forced token id, or a bool [vocab] mask of allowed tokens, or None (free)."""
+
+  def feed(self, token_id: int) -> tuple[list[Delta], str | None]:
+    """Consumes the token just generated: (deltas to deliver, finish reason or None)."""
+
+  def close(self, reason: str) -> list[Delta]:
+    """The request ended (any reason): flushes held-back text; never raises."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """temperature 0 = greedy. top_k 0 and top_p 1 disable those filters.
+
+  seed: same seed + same request -> same output, whatever else the engine is
+  running (None: the engine draws one). max_tokens counts every generated
+  token, thinking included (both APIs define it so).
+  """
+  max_tokens: int = 256
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0
+  seed: int | None = None
+  stop_token_ids: Sequence[int] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Usage:
+  prompt_tokens: int
+  completion_tokens: int
+  thinking_tokens: int = 0
