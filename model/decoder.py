@@ -248,9 +248,18 @@ def _collect_aux(auxes: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def build_model(cfg: ModelConfig, seed: int = 0) -> Horizon:
-  return Horizon(cfg, rngs=nnx.Rngs(seed))
+  """A randomly initialised model; with cfg.quantization the selected weights are MXFP4."""
+  model = Horizon(cfg, rngs=nnx.Rngs(seed))
+  if cfg.quantization != "none":
+    from model.quant import quantize_model  # noqa: PLC0415 - pulls in pallas_kernels
+    quantize_model(model, cfg.quantization)
+  return model
 
 
 def abstract_model(cfg: ModelConfig) -> Horizon:
-  """The model with ShapeDtypeStruct parameters (nothing allocated)."""
-  return nnx.eval_shape(lambda: Horizon(cfg, rngs=nnx.Rngs(0)))
+  """The model with ShapeDtypeStruct parameters (nothing allocated), MXFP4 where configured."""
+  model = nnx.eval_shape(lambda: Horizon(cfg, rngs=nnx.Rngs(0)))
+  if cfg.quantization != "none":
+    from model.quant import quantize_model  # noqa: PLC0415
+    quantize_model(model, cfg.quantization)
+  return model

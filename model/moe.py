@@ -50,7 +50,7 @@ j routed slot (one of the top-k), n row block, m row within a block.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -324,6 +324,33 @@ def dense_experts_reference(x_td: jax.Array, expert_idx_tk: jax.Array, weights_t
   return einsum("tef,efd->td", h, w_down, dtype)
 
 
+def mxfp4_dropless_experts(x_td: jax.Array, expert_idx_tk: jax.Array, weights_tk: jax.Array,
+                           gate: Any, up: Any, down: Any, dtype) -> jax.Array:
+  """`dropless_experts` with MXFP4 expert weights read by the fused grouped-matmul kernel.
+
+  gate/up/down are `model.quant.MXFP4Weight`s (w_gate [e, d, f] stored as
+  blocks [e, f, d/32, 16], w_down [e, f, d] as [e, d, f/32, 16]); the kernel
+  unpacks and scales them tile by tile, so no dense copy of an expert exists.
+  """
+  from pallas_kernels.mxfp4.ops import mxfp4_ragged_matmul  # noqa: PLC0415
+
+  t, kslots = expert_idx_tk.shape
+  e = gate.blocks.shape[0]
+  flat_e = expert_idx_tk.reshape(-1).astype(jnp.int32)
+  order = jnp.argsort(flat_e, stable=True).astype(jnp.int32)
+  group_sizes = jnp.bincount(flat_e, length=e).astype(jnp.int32)
+  xs = x_td[order // kslots].astype(dtype)
+
+  def mm(a, w):
+    return mxfp4_ragged_matmul(a, w.blocks, w.scales, group_sizes).astype(dtype)
+
+  h = jax.nn.silu(mm(xs, gate)) * mm(xs, up)
+  ys = mm(h, down)
+  # Rows of id e ("no expert") fall outside every group: the kernel leaves them 0.
+  inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32))
+  return einsum("tjd,tj->td", ys[inverse].reshape(t, kslots, -1), weights_tk, dtype)
+
+
 # ---- module ----------------------------------------------------------------
 
 
@@ -406,8 +433,14 @@ class MoE(nnx.Module):
     capacity exchange dropped (always 0 without a mesh or with 'ragged').
     """
     cfg = self.cfg
+    no_mesh = jax.sharding.get_abstract_mesh().empty
+    if no_mesh and cfg.quantization != "none" and cfg.use_pallas:
+      y = mxfp4_dropless_experts(x_td, idx_tk, weights_tk, self.w_gate, self.w_up, self.w_down,
+                                 cfg.jnp_dtype)
+      return y, jnp.zeros((), jnp.float32)
+    # Dense weights, or MXFP4 ones dequantized on read (model.quant.MXFP4Weight).
     experts = (self.w_gate[...], self.w_up[...], self.w_down[...])
-    if jax.sharding.get_abstract_mesh().empty:
+    if no_mesh:
       y = dropless_experts(x_td, idx_tk, weights_tk, *experts, cfg.jnp_dtype, impl=self.impl)
       return y, jnp.zeros((), jnp.float32)
 

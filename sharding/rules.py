@@ -154,6 +154,14 @@ def _variable_spec(path, var: nnx.Variable, mesh_shape, table) -> P:
   if logical is None:
     raise ShardingError(f"{what}: has no `axes` metadata; create it with model.layers.param or "
                         "pass axes=(...) to the Variable.")
+  storage = var.get_metadata().get("storage_axes")
+  if storage is not None:  # model.quant.MXFP4Weight: {'blocks', 'scales'} with their own axes
+    out = {}
+    for part, arr in value.items():
+      spec = logical_to_spec(storage[part], table, f"{what}[{part}]")
+      check_divisible(f"{what}[{part}]", arr.shape, spec, mesh_shape, storage[part])
+      out[part] = spec
+    return out
   spec = logical_to_spec(logical, table, what)
   check_divisible(what, value.shape, spec, mesh_shape, logical)
   return spec
@@ -173,7 +181,10 @@ def state_specs(state: Any, mesh_shape: Mapping[str, int], rules: Rules | None =
 def state_shardings(state: Any, mesh: jax.sharding.Mesh, rules: Rules | None = None) -> Any:
   """Same tree as `state`, Variables holding NamedShardings on `mesh`."""
   specs = state_specs(state, dict(mesh.shape), rules)
-  return jax.tree.map(lambda v: v.replace(NamedSharding(mesh, v.get_value())), specs, is_leaf=_is_var)
+  def to_sharding(v):
+    return v.replace(jax.tree.map(lambda spec: NamedSharding(mesh, spec), v.get_value(),
+                                  is_leaf=lambda x: isinstance(x, P)))
+  return jax.tree.map(to_sharding, specs, is_leaf=_is_var)
 
 
 def activation_spec(logical: Sequence[str | None], shape: Sequence[int],

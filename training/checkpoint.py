@@ -443,9 +443,10 @@ def load_model(directory: Any, cfg: Any, *, step: int | None = None,
     shardings = rules_lib.state_shardings(state, mesh, rules)
   else:
     one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    shardings = jax.tree.map(lambda v: v.replace(one), state, is_leaf=_is_var)
+    shardings = jax.tree.map(lambda v: v.replace(jax.tree.map(lambda _: one, v.get_value())),
+                             state, is_leaf=_is_var)
   state = jax.tree.map(
-      lambda v, s: v.replace(_with_sharding(v.get_value(), s.get_value())),
+      lambda v, s: v.replace(jax.tree.map(_with_sharding, v.get_value(), s.get_value())),
       state, shardings, is_leaf=_is_var)
   model = nnx.merge(graphdef, state)
   restore_params(directory, model, step)
@@ -458,3 +459,33 @@ def _with_sharding(leaf: Any, sharding: jax.sharding.Sharding) -> jax.ShapeDtype
 
 def _is_var(x: Any) -> bool:
   return isinstance(x, nnx.Variable)
+
+
+# Model-config fields renamed since a checkpoint format was written: old -> new.
+_RENAMED_MODEL_FIELDS = {"attention_impl": "kernels"}
+
+
+def stored_model_config(directory: Any, fallback: Any, step: int | None = None) -> Any:
+  """The ModelConfig a checkpoint was written with (the weights decide the shapes).
+
+  Starts from `fallback` (a `config.model` ConfigDict or mapping) and overrides
+  every field the checkpoint's stored config has, so fields added since it
+  was written (e.g. `kernels`, `quantization`) take the fallback's value and
+  renamed ones are mapped. A checkpoint without a stored config uses
+  `fallback` as is.
+  """
+  from model.config import ModelConfig  # noqa: PLC0415 - keep this module light to import
+
+  merged = fallback.to_dict() if hasattr(fallback, "to_dict") else dict(fallback)
+  stored = (read_meta(directory, step).get("config") or {}).get("model")
+  if stored:
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    for key, value in stored.items():
+      key = _RENAMED_MODEL_FIELDS.get(key, key)
+      if key == "kernels" and value not in ("auto", "xla", "pallas"):
+        continue
+      if key in known:
+        merged[key] = value
+  cfg = ModelConfig.from_config(merged)
+  cfg.validate()
+  return cfg

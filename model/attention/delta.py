@@ -42,6 +42,14 @@ from model.layers import einsum, param, rms_norm
 L2_EPS = 1e-6
 
 
+def _chunk_rule(use_pallas: bool):
+  """The chunked gated delta rule: the Pallas kernel or the XLA path."""
+  if not use_pallas:
+    return chunk_gated_delta_rule
+  from pallas_kernels.delta_rule import ops  # noqa: PLC0415 - optional backend
+  return ops.chunk_gated_delta_rule
+
+
 @flax.struct.dataclass
 class DeltaCache:
   """Decode state of one delta layer.
@@ -198,7 +206,7 @@ class DeltaAttention(nnx.Module):
     feats = self._conv(jnp.concatenate([history, pre], axis=1),
                        conv_masks(segment_ids, cfg.delta_conv_size))
     q, k, v = self._heads(feats)
-    o, _ = chunk_gated_delta_rule(q, k, v, g, beta, reset=segment_resets(segment_ids),
+    o, _ = _chunk_rule(cfg.use_pallas)(q, k, v, g, beta, reset=segment_resets(segment_ids),
                                   chunk_size=cfg.delta_chunk_size)
     return self._output(o, z), {}
 
@@ -237,7 +245,7 @@ class DeltaAttention(nnx.Module):
     if x.shape[1] == 1:
       rule = recurrent_gated_delta_rule
     else:
-      rule = functools.partial(chunk_gated_delta_rule, chunk_size=cfg.delta_chunk_size)
+      rule = functools.partial(_chunk_rule(cfg.use_pallas), chunk_size=cfg.delta_chunk_size)
     o, state = rule(q, k, v, g * keep, beta * keep, initial_state=cache.state)
     # The last width-1 valid inputs of history|x start at index n_valid (older ones come from
     # the previous history when a row has fewer than width-1 new valid tokens).

@@ -33,6 +33,15 @@ from model.config import ModelConfig
 from model.layers import RMSNorm, apply_rope, einsum, param
 
 
+def _kernels(use_pallas: bool):
+  """(top-k selection, sparse MQA): the Pallas kernels or the XLA paths of `sparse`."""
+  if not use_pallas:
+    return sparse.blockwise_topk, sparse.sparse_mqa_attention
+  from pallas_kernels.indexer_topk import ops as topk_ops  # noqa: PLC0415 - optional backend
+  from pallas_kernels.sparse_attention import ops as attn_ops  # noqa: PLC0415
+  return topk_ops.blockwise_topk, attn_ops.sparse_mqa_attention
+
+
 @flax.struct.dataclass
 class DSACache:
   """Decode state of one Gated DSA layer; slot i holds the token at position i.
@@ -146,10 +155,11 @@ class GatedDSA(nnx.Module):
     """Top-k selection + sparse MQA; optionally the sparse-stage indexer KL."""
     cfg = self.cfg
     topk = min(cfg.index_topk, latent.shape[1])
-    idx, valid = sparse.blockwise_topk(q_i, w_i, k_i, q_pos, q_seg, k_pos, k_seg, topk,
-                                       cfg.dsa_query_block, cfg.dsa_key_block)
-    out_lat, p_sel = sparse.sparse_mqa_attention(q_lat, q_rope, latent, k_rope, idx, valid,
-                                                 self.scale, cfg.dsa_query_block)
+    topk_fn, attend_fn = _kernels(cfg.use_pallas)
+    idx, valid = topk_fn(q_i, w_i, k_i, q_pos, q_seg, k_pos, k_seg, topk,
+                         cfg.dsa_query_block, cfg.dsa_key_block)
+    out_lat, p_sel = attend_fn(q_lat, q_rope, latent, k_rope, idx, valid, self.scale,
+                               cfg.dsa_query_block)
     if not with_loss:
       return out_lat, None
     logits = sparse.selected_indexer_scores(q_i, w_i, k_i, idx, cfg.dsa_query_block)
