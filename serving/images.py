@@ -1,0 +1,129 @@
+"""Request images (base64 / data URLs) -> the float arrays the vision encoder takes.
+
+Both APIs carry images inline: OpenAI as `image_url.url` (a data URL),
+Anthropic as `source: {type: base64, media_type, data}`. The server has no
+network, so http(s) URLs are refused with a message saying what to send
+instead. Decoding is restricted to PNG, JPEG, GIF and WebP (Pillow), and the
+pixel count is checked from the header before any pixel is decoded, so a
+small compressed "decompression bomb" cannot exhaust memory.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import re
+import warnings
+
+import numpy as np
+from PIL import Image
+
+MAX_PIXELS = 64_000_000  # 64 megapixels: larger images are rejected before decoding
+FORMATS = ("PNG", "JPEG", "GIF", "WEBP")
+_MODES = {1: "L", 3: "RGB"}
+_DATA_URL = re.compile(r"data:(?P<mime>[^;,]*)(?P<params>(;[^;,]*)*),(?P<data>.*)", re.DOTALL | re.IGNORECASE)
+
+
+def _b64(text: str, where: str) -> bytes:
+  """Standard or URL-safe base64, whitespace and missing padding tolerated."""
+  s = re.sub(r"\s+", "", text)
+  if "-" in s or "_" in s:
+    s = s.replace("-", "+").replace("_", "/")
+  s += "=" * (-len(s) % 4)
+  try:
+    data = base64.b64decode(s, validate=True)
+  except (binascii.Error, ValueError) as e:
+    raise ValueError(f"{where} is not valid base64 ({e}); send the image file's bytes base64-encoded "
+                     "or as a data URL (data:image/png;base64,...).") from None
+  if not data:
+    raise ValueError(f"{where} is empty; send the image file's bytes base64-encoded.")
+  return data
+
+
+def image_bytes(source: str | bytes) -> bytes:
+  """The encoded image file inside a data URL, raw base64 text, or bytes."""
+  if isinstance(source, bytes | bytearray | memoryview):
+    return bytes(source)
+  if not isinstance(source, str):
+    raise ValueError(f"image: expected a data URL, base64 text or bytes, got {type(source).__name__}.")
+  head = source[:16].lstrip().lower()
+  if head.startswith(("http://", "https://")):
+    raise ValueError("image URLs are not fetched by this server (no network); send the image as "
+                     "base64 data")
+  if head.startswith("data:"):
+    m = _DATA_URL.fullmatch(source.strip())
+    if m is None:
+      raise ValueError("image data URL is malformed; expected data:image/<type>;base64,<data>.")
+    if ";base64" not in m["params"].lower():
+      raise ValueError(f"image data URL ({m['mime'] or 'no media type'}) is not base64-encoded; "
+                       "send data:image/<type>;base64,<data>.")
+    if m["mime"] and not m["mime"].lower().startswith("image/"):
+      raise ValueError(f"image data URL has media type {m['mime']!r}; expected image/png, image/jpeg, "
+                       "image/gif or image/webp.")
+    return _b64(m["data"], "image data URL payload")
+  return _b64(source, "image data")
+
+
+def decode_image(source: str | bytes, image_size: int, channels: int = 3) -> np.ndarray:
+  """Decodes and resizes one image for the vision encoder.
+
+  The image is converted to RGB (channels=3) or grayscale (channels=1);
+  transparent pixels are composited onto white first (a transparent PNG
+  logo should not turn black). It is then resized to image_size x image_size
+  with bicubic interpolation (Pillow `Image.BICUBIC`), without keeping the
+  aspect ratio -- the encoder was trained on square images of that size.
+  Animated GIF/WebP: the first frame.
+
+  Args:
+    source: a data URL (`data:image/png;base64,...`), raw base64 text, or the
+      file's bytes. http(s) URLs are refused (the server has no network).
+    image_size: output height and width (config.model.vision.image_size).
+    channels: 3 (RGB) or 1 (grayscale): config.model.vision.num_channels.
+
+  Returns:
+    float32 [image_size, image_size, channels] in [0, 1].
+
+  Raises:
+    ValueError: a URL, bad base64, an undecodable or unsupported file, or an
+      image over 64 megapixels; the message names the problem.
+  """
+  if not isinstance(image_size, int) or image_size <= 0:
+    raise ValueError(f"image_size={image_size!r}: expected a positive int.")
+  if channels not in _MODES:
+    raise ValueError(f"channels={channels!r}: expected 3 (RGB) or 1 (grayscale).")
+  data = image_bytes(source)
+  try:
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # checked below, before load
+      img = Image.open(io.BytesIO(data), formats=FORMATS)
+  except Image.DecompressionBombError:
+    raise ValueError(f"image is larger than {MAX_PIXELS // 1_000_000} megapixels; send a smaller "
+                     "image.") from None
+  except Exception as e:  # Pillow raises UnidentifiedImageError, OSError, SyntaxError, ...
+    raise ValueError(f"image could not be decoded ({type(e).__name__}: {e}); supported formats are "
+                     "PNG, JPEG, GIF and WebP.") from None
+  w, h = img.size
+  if w * h > MAX_PIXELS:
+    raise ValueError(f"image is {w}x{h} = {w * h / 1e6:.1f} megapixels, more than the "
+                     f"{MAX_PIXELS // 1_000_000} megapixel limit; send a smaller image.")
+  try:
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+      img.load()
+      img = _flatten(img, _MODES[channels])
+      img = img.resize((image_size, image_size), Image.BICUBIC)
+  except Exception as e:  # truncated or corrupt pixel data
+    raise ValueError(f"image {img.format or ''} {w}x{h} could not be decoded ({type(e).__name__}: "
+                     f"{e}); the file may be truncated or corrupt.") from None
+  arr = np.asarray(img, dtype=np.float32) / 255.0
+  return arr.reshape(image_size, image_size, channels)
+
+
+def _flatten(img: Image.Image, mode: str) -> Image.Image:
+  """Converts to `mode`, compositing any transparency onto white."""
+  if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
+    rgba = img.convert("RGBA")
+    white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+    img = Image.alpha_composite(white, rgba)
+  return img.convert(mode)
