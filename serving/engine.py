@@ -1,0 +1,603 @@
+"""The generation engine: continuous batching over fixed slots, chunked prefill, a jitted decode step.
+
+Design (Orca-style iteration-level scheduling, Yu et al., OSDI 2022; chunked
+prefill as in Sarathi-Serve, Agrawal et al., OSDI 2024): the engine owns one
+decode state (`Horizon.init_cache`) of `slots` rows x `max_context` tokens.
+One background thread loops:
+
+  1. admit waiting requests (FIFO) into free slots: zero the slot's row
+     (`reset_cache_rows`), encode the request's images once;
+  2. prefill ONE chunk for every slot still prefilling, together, in one
+     jitted [slots, prefill_chunk] call (other rows have length 0 and stay
+     untouched);
+  3. one jitted decode step [slots] for every decoding slot (a valid mask
+     keeps idle and prefilling rows untouched);
+  4. sample every row that got logits (jitted, per row), hand the tokens to
+     the requests' processors and deliver events; finished slots are freed
+     at once and refilled at the next iteration.
+
+Why prefill and decode are separate calls with fixed shapes: a request's
+numerics must not depend on what else runs. Every computation in the model is
+per row (attention, the delta rule, dropless MoE whose per-token result does
+not depend on the other tokens' routing), each jitted program has one shape
+(the prefill always takes image patches, zeros when a chunk has none), and
+sampling is `vmap`ped per row with a per-request key
+`fold_in(fold_in(PRNGKey(seed), 0), n_generated)`; so the same request and
+seed give bit-identical tokens alone or among others, in any slot
+(tests/test_engine.py; checked on XLA:CPU in f32 and bf16, where MoE runs the
+'blocked' grouped matmul). On TPU/GPU this relies on XLA's native ragged dot
+computing each row independently of where the expert-group boundaries fall.
+
+The model is split once (`nnx.split`); the jitted functions take its state as
+an argument (so `update_weights` swaps weights without recompiling) and
+donate the decode state. Under `jit` the model silently drops cache writes
+beyond `max_len`, so the engine bounds every row: a request needs
+`len(prompt) + max_tokens <= max_context` and a row finishes with 'length'
+before it could overflow.
+
+Sync and async consumers: `Handle.events()` blocks on a queue;
+`Handle.aevents()` receives events through `loop.call_soon_threadsafe` on
+the caller's asyncio loop (no thread per request).
+
+Shapes: S slots, C prefill chunk, V vocab, d model dim.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from model.decoder import reset_cache_rows
+from serving.handle import Event, Handle, OverloadedError, Request, RequestError
+from serving.metrics import EngineMetrics
+from serving.sampling import sample_rows
+from serving.types import Delta, SamplingParams, TokenProcessor, Usage
+
+__all__ = ["Engine", "Event", "Handle", "OverloadedError", "Request", "RequestError", "build_engine"]
+
+_log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _Slot:
+  """A request occupying one batch row."""
+  handle: Handle
+  prompt: np.ndarray  # int32 [P]
+  stop_ids: frozenset[int]
+  seed: int
+  patches: np.ndarray | None = None  # f32 [m * num_patches, d]: encoded at admission
+  fed: int = 0  # prompt tokens prefilled so far
+  images_fed: int = 0  # image placeholders prefilled so far
+  cache_len: int = 0  # tokens in this row's decode state
+  generated: list[int] = dataclasses.field(default_factory=list)
+  pending: int | None = None  # the last sampled token, fed by the next decode step
+  last_time: float = 0.0
+
+  @property
+  def params(self) -> SamplingParams:
+    return self.handle.request.params
+
+  @property
+  def processor(self) -> TokenProcessor | None:
+    return self.handle.request.processor
+
+
+# ---- jitted functions (pure; the model enters as graphdef + state) ------------------
+
+
+def _compile(graphdef: nnx.GraphDef) -> dict[str, Any]:
+  """The engine's jitted programs; the decode state (argument 1) is donated."""
+
+  def prefill(state, cache, tokens, lengths, image_embeds):
+    model = nnx.merge(graphdef, state)
+    logits, cache = model.prefill(tokens, lengths, cache, image_embeds=image_embeds)
+    last = jnp.take_along_axis(logits, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)
+    return last[:, 0], cache
+
+  def decode(state, cache, tokens, valid):
+    # decode_step's maths (a one-token prefill) with a valid mask instead of all-ones, so rows
+    # that are idle or still prefilling are left untouched.
+    model = nnx.merge(graphdef, state)
+    logits, cache = model.prefill(tokens[:, None], valid.astype(jnp.int32), cache)
+    return logits[:, 0], cache
+
+  def reset(state, cache, rows):
+    del state
+    return reset_cache_rows(cache, rows)
+
+  def encode(state, images):
+    return nnx.merge(graphdef, state).encode_images(images)
+
+  return {"prefill": jax.jit(prefill, donate_argnums=(1,)),
+          "decode": jax.jit(decode, donate_argnums=(1,)),
+          "reset": jax.jit(reset, donate_argnums=(1,)),
+          "encode": jax.jit(encode),
+          "sample": jax.jit(sample_rows)}
+
+
+# ---- the engine -------------------------------------------------------------------
+
+
+class Engine:
+  """Continuous-batching generation over `slots` rows of `max_context` tokens.
+
+  Args:
+    model: a `model.decoder.Horizon`.
+    tokenizer: its `training.tokenizer.Tokenizer` (default stop ids: eos and end_of_turn).
+    slots: batch rows decoded together.
+    max_context: tokens per row (prompt + generated); <= model max_seq_len.
+    prefill_chunk: prompt tokens prefilled per row per iteration.
+    seed: draws the seeds of requests that give none.
+    max_queue: waiting requests beyond this raise OverloadedError.
+  """
+
+  def __init__(self, model: Any, tokenizer: Any, *, slots: int, max_context: int, prefill_chunk: int,
+               seed: int = 0, max_queue: int = 1024):
+    cfg = model.cfg
+    for name, v in (("slots", slots), ("max_context", max_context), ("prefill_chunk", prefill_chunk),
+                    ("max_queue", max_queue)):
+      if not isinstance(v, int) or v < 1:
+        raise ValueError(f"Engine: {name}={v!r} must be a positive int (config.serving.{name}).")
+    if max_context > cfg.max_seq_len:
+      raise ValueError(f"Engine: max_context={max_context} exceeds config.model.max_seq_len="
+                       f"{cfg.max_seq_len}; lower config.serving.max_context.")
+    if prefill_chunk > max_context:
+      raise ValueError(f"Engine: prefill_chunk={prefill_chunk} > max_context={max_context}; lower "
+                       "config.serving.prefill_chunk.")
+    self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
+    self.slots, self.max_context, self.prefill_chunk = slots, max_context, prefill_chunk
+    self.max_queue, self.vocab_size = max_queue, cfg.vocab_size
+    self.default_stop_ids = (tokenizer.eos_id, tokenizer.special_id("end_of_turn"))
+    self.metrics = EngineMetrics(slots, max_context)
+    self._graphdef, self._state = nnx.split(model)
+    self._fns = _compile(self._graphdef)
+    self._cache = model.init_cache(slots, max_context)
+    self._rows: list[_Slot | None] = [None] * slots
+    self._waiting: collections.deque[Handle] = collections.deque()
+    self._rng = np.random.default_rng(seed)
+    self._cond = threading.Condition()
+    self._step_lock = threading.Lock()
+    self._thread: threading.Thread | None = None
+    self._stopping = False
+    # Constant inputs kept on the device: "no constraint" masks, and the image patches of chunks
+    # without placeholders. The prefill always takes image_embeds [S, C, d] (the size of one
+    # chunk's activations), so one program serves chunks with and without images and a request's
+    # numerics never depend on whether another row holds an image.
+    self._all_allowed = jnp.ones((slots, self.vocab_size), bool)
+    self._no_images = jnp.zeros((slots, prefill_chunk, cfg.d_model), cfg.jnp_dtype)
+
+  # ---- lifecycle ------------------------------------------------------------------
+  @property
+  def running(self) -> bool:
+    return self._thread is not None and self._thread.is_alive()
+
+  def start(self) -> "Engine":
+    """Starts the background loop thread (idempotent)."""
+    with self._cond:
+      if self.running:
+        return self
+      self._stopping = False
+      self._thread = threading.Thread(target=self._loop, name="horizon-engine", daemon=True)
+      self._thread.start()
+    return self
+
+  def stop(self) -> None:
+    """Stops the loop; requests still waiting or running finish with 'cancelled'."""
+    with self._cond:
+      self._stopping = True
+      self._cond.notify_all()
+    if self._thread is not None:
+      self._thread.join()
+      self._thread = None
+    with self._step_lock:
+      for h in self._drain_waiting():
+        self._finish_handle(h, "cancelled", 0)
+      for i, s in enumerate(self._rows):
+        if s is not None:
+          self._finish(i, "cancelled")
+
+  def update_weights(self, model: Any | None = None) -> None:
+    """Serve new weights (e.g. after an RL update) of the same architecture; no recompilation."""
+    state = nnx.state(model if model is not None else self.model)
+    with self._step_lock:
+      self._state = state
+
+  def _wake(self) -> None:
+    with self._cond:
+      self._cond.notify_all()
+
+  def _has_work(self) -> bool:
+    return bool(self._waiting) or any(s is not None for s in self._rows)
+
+  def _loop(self) -> None:
+    while True:
+      with self._cond:
+        while not self._stopping and not self._has_work():
+          self._cond.wait(timeout=1.0)
+        if self._stopping:
+          return
+      try:
+        self.step()
+      except Exception:  # never let the loop die; step() already failed the affected requests
+        _log.exception("engine iteration failed")
+
+  # ---- submission -----------------------------------------------------------------
+  def submit(self, request: Request, loop: asyncio.AbstractEventLoop | None = None) -> Handle:
+    """Queues a request; raises RequestError (bad request) or OverloadedError (queue full).
+
+    loop: deliver events to this asyncio loop (then iterate `aevents()`).
+    """
+    try:
+      self._validate(request)
+    except RequestError:
+      self.metrics.requests.inc(status="rejected")
+      raise
+    handle = Handle(self, request, loop)
+    with self._cond:
+      if len(self._waiting) >= self.max_queue:
+        self.metrics.requests.inc(status="overloaded")
+        raise OverloadedError(f"the engine queue is full ({self.max_queue} waiting requests); retry "
+                              "later or raise config.serving.max_queue.")
+      self._waiting.append(handle)
+      self.metrics.queue_length.set(len(self._waiting))
+      self._cond.notify_all()
+    return handle
+
+  def _validate(self, request: Request) -> None:
+    ids, p = request.prompt_ids, request.params
+    if len(ids) == 0:
+      raise RequestError("the prompt is empty; give at least one token.", "prompt")
+    if len(ids) > self.max_context:
+      raise RequestError(f"the prompt has {len(ids)} tokens, more than the context of "
+                         f"{self.max_context} tokens; shorten it.", "prompt")
+    arr = np.asarray(ids)
+    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer) or arr.min() < 0 or \
+       arr.max() >= self.vocab_size:
+      raise RequestError(f"prompt ids must be ints in [0, {self.vocab_size}).", "prompt")
+    if not isinstance(p.max_tokens, int) or p.max_tokens < 1:
+      raise RequestError(f"max_tokens={p.max_tokens!r} must be a positive int.", "max_tokens")
+    if len(ids) + p.max_tokens > self.max_context:
+      raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({p.max_tokens}) = "
+                         f"{len(ids) + p.max_tokens} exceeds the context of {self.max_context} "
+                         f"tokens; lower max_tokens to at most {self.max_context - len(ids)}.",
+                         "max_tokens")
+    if not np.isfinite(p.temperature) or p.temperature < 0:
+      raise RequestError(f"temperature={p.temperature} must be >= 0 (0 = greedy).", "temperature")
+    if not 0 < p.top_p <= 1:
+      raise RequestError(f"top_p={p.top_p} must be in (0, 1].", "top_p")
+    if not isinstance(p.top_k, int) or p.top_k < 0:
+      raise RequestError(f"top_k={p.top_k!r} must be an int >= 0 (0 = off).", "top_k")
+    if any(not 0 <= t < self.vocab_size for t in p.stop_token_ids):
+      raise RequestError(f"stop_token_ids must be ids in [0, {self.vocab_size}).", "stop_token_ids")
+    self._validate_images(arr, request.images)
+
+  def _validate_images(self, prompt: np.ndarray, images: np.ndarray | None) -> None:
+    n_ph = int(np.sum(prompt == self.cfg.image_token_id))
+    m = 0 if images is None else len(images)
+    if m and self.model.vision is None:
+      raise RequestError("this model has no vision encoder (config.model.vision.enabled is False).",
+                         "images")
+    if m:
+      v = self.cfg.vision
+      want = (v.image_size, v.image_size, v.num_channels)
+      if np.ndim(images) != 4 or tuple(np.shape(images)[1:]) != want:
+        raise RequestError(f"images: expected [n, {want[0]}, {want[1]}, {want[2]}] float32 in [0, 1], "
+                           f"got shape {list(np.shape(images))}; resize them first.", "images")
+    per = self.cfg.vision.num_patches
+    if n_ph != m * per:
+      raise RequestError(f"the prompt has {n_ph} image placeholder tokens but {m} image(s) x {per} "
+                         f"patches = {m * per} were given; each image needs exactly {per} "
+                         "placeholders.", "images" if m else "prompt")
+
+  # ---- sync conveniences (RL, evaluators, tests) ----------------------------------
+  def generate(self, request: Request) -> tuple[list[int], str, Usage]:
+    """Runs one request to the end: (token_ids, finish_reason, usage).
+
+    Works with the loop thread running or not (then this thread drives the loop).
+    """
+    handle = self.submit(request)
+    ids, last = [], None
+    for ev in self._drive(handle):
+      ids += ev.token_ids
+      last = ev
+    return ids, last.finish_reason, last.usage
+
+  def next_token_logits(self, prompt_ids: list[int], images: np.ndarray | None = None) -> np.ndarray:
+    """f32 [vocab] logits after the whole prompt, through the serving path (chunked prefill)."""
+    handle = Handle(self, Request(list(prompt_ids), SamplingParams(max_tokens=1, temperature=0.0),
+                                  images), None)
+    handle._capture_logits = True
+    self._validate(handle.request)
+    with self._cond:
+      self._waiting.append(handle)
+      self._cond.notify_all()
+    for _ in self._drive(handle):
+      pass
+    if handle.first_logits is None:
+      raise RuntimeError("the engine failed before producing logits (see the log).")
+    return handle.first_logits
+
+  def _drive(self, handle: Handle) -> Iterator[Event]:
+    if self.running:
+      yield from handle.events()
+      return
+    while not handle.done:
+      self.step()
+    yield from handle.events(timeout=0)
+
+  # ---- one iteration --------------------------------------------------------------
+  def step(self) -> bool:
+    """One loop iteration (admit, prefill a chunk, decode, sample); False when idle."""
+    with self._step_lock:
+      self._reap_cancelled()
+      try:
+        self._admit()
+        if not any(s is not None for s in self._rows):
+          return False
+        pre = self._prefill()
+        dec = self._decode()
+        self._sample_and_emit(pre, dec)
+      except Exception as e:  # a failed device call: end every running request, keep serving
+        _log.exception("engine step failed; ending %d running requests with 'error'",
+                       sum(s is not None for s in self._rows))
+        self._fail_all(e)
+      finally:
+        self._update_gauges()
+      return True
+
+  def _drain_waiting(self) -> list[Handle]:
+    with self._cond:
+      out = list(self._waiting)
+      self._waiting.clear()
+    return out
+
+  def _reap_cancelled(self) -> None:
+    with self._cond:
+      gone = [h for h in self._waiting if h.cancelled]
+      for h in gone:
+        self._waiting.remove(h)
+    for h in gone:
+      self._finish_handle(h, "cancelled", 0)
+    for i, s in enumerate(self._rows):
+      if s is not None and s.handle.cancelled:
+        self._finish(i, "cancelled")
+
+  def _admit(self) -> None:
+    reset = np.zeros(self.slots, bool)
+    for i in range(self.slots):
+      if self._rows[i] is not None:
+        continue
+      with self._cond:
+        if not self._waiting:
+          break
+        handle = self._waiting.popleft()
+      req = handle.request
+      seed = req.params.seed if req.params.seed is not None else int(self._rng.integers(0, 2**63))
+      slot = _Slot(handle, np.asarray(req.prompt_ids, np.int32),
+                   frozenset(req.params.stop_token_ids or self.default_stop_ids), seed % 2**64)
+      try:
+        slot.patches = self._encode_images(req.images)
+      except Exception:
+        _log.exception("image encoding failed for %s", handle.id)
+        self._finish_handle(handle, "error", 0)
+        continue
+      self._rows[i] = slot
+      reset[i] = True
+      self.metrics.prompt_tokens.inc(len(slot.prompt))
+    if reset.any():
+      self._cache = self._fns["reset"](self._state, self._cache, jnp.asarray(reset))
+
+  def _encode_images(self, images: np.ndarray | None) -> np.ndarray | None:
+    if images is None or len(images) == 0:
+      return None
+    # One image per call: one compiled program whatever the image count.
+    out = [np.asarray(self._fns["encode"](self._state, jnp.asarray(img[None], jnp.float32))[0],
+                      np.float32) for img in np.asarray(images, np.float32)]
+    return np.concatenate(out, axis=0)
+
+  def _prefill(self) -> tuple[jax.Array, np.ndarray] | None:
+    """Prefills one chunk of every prefilling row; returns (last logits [S, V], rows now done)."""
+    rows = [i for i, s in enumerate(self._rows) if s is not None and s.fed < len(s.prompt)]
+    if not rows:
+      return None
+    c = self.prefill_chunk
+    tokens = np.zeros((self.slots, c), np.int32)
+    lengths = np.zeros(self.slots, np.int32)
+    embeds = None
+    for i in rows:
+      s = self._rows[i]
+      chunk = s.prompt[s.fed:s.fed + c]
+      tokens[i, :len(chunk)], lengths[i] = chunk, len(chunk)
+      n_img = int(np.sum(chunk == self.cfg.image_token_id))
+      if n_img:  # this chunk's placeholders take the request's next n_img patches, in order
+        if embeds is None:
+          embeds = np.zeros((self.slots, c, self.cfg.d_model), np.float32)
+        embeds[i, :n_img] = s.patches[s.images_fed:s.images_fed + n_img]
+        s.images_fed += n_img
+    embeds = self._no_images if embeds is None else jnp.asarray(embeds, self.cfg.jnp_dtype)
+    logits, self._cache = self._fns["prefill"](self._state, self._cache, jnp.asarray(tokens),
+                                               jnp.asarray(lengths), embeds)
+    done = np.zeros(self.slots, bool)
+    for i in rows:
+      s = self._rows[i]
+      s.fed += int(lengths[i])
+      s.cache_len += int(lengths[i])
+      done[i] = s.fed == len(s.prompt)
+    return logits, done
+
+  def _decode(self) -> tuple[jax.Array, np.ndarray] | None:
+    """Feeds every decoding row its pending token; returns (logits [S, V], rows decoded)."""
+    valid = np.array([s is not None and s.pending is not None for s in self._rows])
+    if not valid.any():
+      return None
+    tokens = np.array([s.pending if v else 0 for s, v in zip(self._rows, valid, strict=True)], np.int32)
+    for i in np.flatnonzero(valid):
+      s = self._rows[i]
+      if s.cache_len >= self.max_context:  # never reached: finishing checks keep rows in bounds
+        raise AssertionError(f"slot {i} would exceed max_context={self.max_context}.")
+      s.cache_len += 1
+      s.pending = None
+    logits, self._cache = self._fns["decode"](self._state, self._cache, jnp.asarray(tokens),
+                                              jnp.asarray(valid))
+    return logits, valid
+
+  # ---- sampling and delivery ------------------------------------------------------
+  def _constraints(self, rows: list[int]) -> tuple[np.ndarray, np.ndarray | None, list[int]]:
+    """Asks each row's processor: forced ids [S] (-1 = none), masks [S, V] (or None), failed rows."""
+    forced = np.full(self.slots, -1, np.int32)
+    masks, failed = None, []
+    for i in rows:
+      proc = self._rows[i].processor
+      if proc is None:
+        continue
+      try:
+        c = proc.next_constraint()
+        if c is None:
+          continue
+        if isinstance(c, (int, np.integer)):
+          if not 0 <= int(c) < self.vocab_size:
+            raise ValueError(f"forced token {c} is outside the vocabulary [0, {self.vocab_size}).")
+          forced[i] = int(c)
+          continue
+        allowed = np.zeros(self.vocab_size, bool)
+        c = np.asarray(c, bool)
+        if c.ndim != 1 or len(c) > self.vocab_size or not c.any():
+          raise ValueError(f"mask must be a bool [<= {self.vocab_size}] array allowing some token, "
+                           f"got shape {c.shape} with {int(c.sum())} allowed.")
+        allowed[:len(c)] = c
+        masks = np.ones((self.slots, self.vocab_size), bool) if masks is None else masks
+        masks[i] = allowed
+      except Exception:
+        _log.exception("processor.next_constraint failed for %s", self._rows[i].handle.id)
+        failed.append(i)
+    return forced, masks, failed
+
+  def _sample_and_emit(self, pre, dec) -> None:
+    from_prefill = pre[1] if pre is not None else np.zeros(self.slots, bool)
+    rows = list(np.flatnonzero(from_prefill | (dec[1] if dec is not None else False)))
+    if not rows:
+      return
+    forced, masks, failed = self._constraints(rows)
+    for i in failed:
+      self._finish(i, "error")
+    rows = [i for i in rows if i not in failed]
+    pl = pre[0] if pre is not None else dec[0]
+    dl = dec[0] if dec is not None else pl
+    temp, top_k, top_p = (np.zeros(self.slots, t) for t in (np.float32, np.int32, np.float32))
+    lo, hi, n_gen = (np.zeros(self.slots, np.uint32) for _ in range(3))
+    for i in rows:
+      s = self._rows[i]
+      temp[i], top_k[i], top_p[i] = s.params.temperature, s.params.top_k, s.params.top_p
+      lo[i], hi[i], n_gen[i] = s.seed & 0xFFFFFFFF, s.seed >> 32, len(s.generated)
+    tokens, logprobs = self._fns["sample"](
+        pl, dl, jnp.asarray(from_prefill), temp, top_k, top_p,
+        self._all_allowed if masks is None else jnp.asarray(masks), forced, lo, hi, n_gen)
+    tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
+    for i in rows:
+      if self._rows[i].handle._capture_logits and from_prefill[i]:
+        self._rows[i].handle.first_logits = np.asarray(pl[i], np.float32)
+      self._accept(i, int(tokens[i]), float(logprobs[i]))
+
+  def _accept(self, i: int, token: int, logprob: float) -> None:
+    """Records row i's new token; delivers it, or finishes the request."""
+    s = self._rows[i]
+    now = time.monotonic()
+    if not s.generated:
+      self.metrics.ttft.observe(now - s.handle.submitted)
+    else:
+      self.metrics.itl.observe(now - s.last_time)
+    s.last_time = now
+    s.generated.append(token)
+    self.metrics.generation_tokens.inc()
+    deltas, reason = [], None
+    if token in s.stop_ids:
+      reason = "stop"  # the stop token is not fed to the processor
+    elif s.processor is not None:
+      try:
+        deltas, reason = s.processor.feed(token)
+      except Exception:
+        _log.exception("processor.feed failed for %s", s.handle.id)
+        reason = "error"
+    n = len(s.generated)
+    if reason is None and (n >= s.params.max_tokens or len(s.prompt) + n >= self.max_context):
+      reason = "length"
+    if reason is None:
+      s.pending = token
+      s.handle._deliver(Event([token], list(deltas), None, None, time.time(), [logprob]))
+    else:
+      self._finish(i, reason, [token], list(deltas), [logprob])
+
+  def _finish(self, i: int, reason: str, token_ids: list[int] = (), deltas: list[Delta] = (),
+              logprobs: list[float] = ()) -> None:
+    """Ends row i's request with `reason` and frees the slot (its row is zeroed on reuse)."""
+    s = self._rows[i]
+    self._rows[i] = None
+    self._finish_handle(s.handle, reason, len(s.generated), token_ids, deltas, logprobs)
+
+  def _finish_handle(self, handle: Handle, reason: str, n_generated: int, token_ids=(), deltas=(),
+                     logprobs=()) -> None:
+    proc = handle.request.processor
+    tail: list[Delta] = []
+    if proc is not None:
+      try:
+        tail = list(proc.close(reason))
+      except Exception:
+        _log.exception("processor.close failed for %s", handle.id)
+    thinking = int(getattr(proc, "thinking_tokens", 0) or 0) if proc is not None else 0
+    usage = Usage(len(handle.request.prompt_ids), n_generated, thinking)
+    self.metrics.requests.inc(status=reason)
+    handle._deliver(Event(list(token_ids), list(deltas) + tail, reason, usage, time.time(),
+                          list(logprobs)))
+
+  def _fail_all(self, exc: Exception) -> None:
+    del exc
+    for i, s in enumerate(self._rows):
+      if s is not None:
+        self._finish(i, "error")
+    # The decode state may have been donated to the failed call: start from a fresh one.
+    self._cache = self.model.init_cache(self.slots, self.max_context)
+
+  def _update_gauges(self) -> None:
+    busy = [s for s in self._rows if s is not None]
+    self.metrics.slots_used.set(len(busy))
+    self.metrics.context_used.set(sum(s.cache_len for s in busy))
+    with self._cond:
+      self.metrics.queue_length.set(len(self._waiting))
+
+
+def build_engine(config: Any, checkpoint: str | None = None) -> Engine:
+  """An (unstarted) Engine from a serve config (configs/serve.py) and optional checkpoint.
+
+  With a checkpoint (written by the pretraining launcher), its stored model
+  config wins over `config.model` (the weights decide the shapes); without
+  one, the model is randomly initialised from `config.model` with seed 0.
+  Tokenizer: `config.serving.tokenizer`, else the checkpoint run's
+  `data.tokenizer`, else the bundled one of the variant.
+  """
+  from model.config import ModelConfig
+  from model.decoder import build_model
+  from training.checkpoint import load_model, read_meta
+  from training.tokenizer import default_tokenizer_path, load_tokenizer
+
+  s = config.serving
+  run = {}
+  if checkpoint:
+    run = read_meta(checkpoint).get("config") or {}
+  cfg = ModelConfig.from_config(run.get("model") or config.model)
+  model = load_model(checkpoint, cfg) if checkpoint else build_model(cfg, seed=0)
+  path = s.tokenizer or (run.get("data") or {}).get("tokenizer") or default_tokenizer_path(
+      run.get("variant") or config.get("variant", "tiny"))
+  tokenizer = load_tokenizer(path, model_vocab_size=cfg.vocab_size, image_token_id=cfg.image_token_id)
+  return Engine(model, tokenizer, slots=s.slots, max_context=s.max_context,
+                prefill_chunk=s.prefill_chunk, seed=s.seed, max_queue=s.max_queue)
