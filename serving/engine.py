@@ -587,15 +587,20 @@ def build_engine(config: Any, checkpoint: str | None = None) -> Engine:
   """
   from model.config import ModelConfig
   from model.decoder import build_model
-  from training.checkpoint import load_model, read_meta
+  from training.checkpoint import load_model, read_meta, stored_model_config
   from training.tokenizer import default_tokenizer_path, load_tokenizer
 
   s = config.serving
   run = {}
   if checkpoint:
     run = read_meta(checkpoint).get("config") or {}
-  cfg = ModelConfig.from_config(run.get("model") or config.model)
-  model = load_model(checkpoint, cfg) if checkpoint else build_model(cfg, seed=0)
+    # Fields added since the checkpoint was written come from config.model.
+    cfg = stored_model_config(checkpoint, config.model)
+    model = load_model(checkpoint, cfg)
+  else:
+    cfg = ModelConfig.from_config(config.model)
+    cfg.validate()
+    model = build_model(cfg, seed=0)
   path = s.tokenizer or (run.get("data") or {}).get("tokenizer") or default_tokenizer_path(
       run.get("variant") or config.get("variant", "tiny"))
   tokenizer = load_tokenizer(path, model_vocab_size=cfg.vocab_size, image_token_id=cfg.image_token_id)

@@ -23,3 +23,34 @@ def tiny_cfg():
   from configs import horizon
   from model.config import ModelConfig
   return ModelConfig.from_config(horizon.get_config("tiny").model)
+
+
+# ---- serving (issue 5): one engine and one server per session, shared by the API tests ----
+
+
+@pytest.fixture(scope="session")
+def serve_config():
+  """configs/serve.py:tiny with 4 slots and the API key "test-key"."""
+  from configs import serve
+  config = serve.get_config("tiny")
+  config.serving.slots = 4
+  config.serving.api_key = "test-key"
+  return config
+
+
+@pytest.fixture(scope="session")
+def engine(serve_config):
+  """A started Engine on the randomly initialised tiny model; stopped at session end."""
+  from serving.engine import build_engine
+  eng = build_engine(serve_config).start()
+  yield eng
+  eng.stop()
+
+
+@pytest.fixture(scope="session")
+def server_url(engine, serve_config):
+  """The server (create_app) on 127.0.0.1 at a free port, uvicorn in a daemon thread."""
+  from serving.server import BackgroundServer, create_app
+  server = BackgroundServer(create_app(engine, engine.tokenizer, serve_config)).start()
+  yield server.url
+  server.stop()

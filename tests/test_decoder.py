@@ -154,7 +154,8 @@ def test_reset_cache_rows_empties_only_those_rows(model, tiny_cfg):
   _, cache = prefill(model, seq, jnp.asarray([9, 9], jnp.int32), model.init_cache(2, 16))
   reset = reset_cache_rows(cache, jnp.asarray([False, True]))
   fresh = model.init_cache(2, 16)
-  for a, r, f in zip(jax.tree.leaves(cache), jax.tree.leaves(reset), jax.tree.leaves(fresh)):
+  for a, r, f in zip(jax.tree.leaves(cache), jax.tree.leaves(reset), jax.tree.leaves(fresh),
+                     strict=True):
     np.testing.assert_array_equal(np.asarray(r[1]), np.asarray(f[1]))
     np.testing.assert_array_equal(np.asarray(r[0]), np.asarray(a[0]))
   assert any(float(jnp.max(jnp.abs(a[0].astype(jnp.float32)))) > 0 for a in jax.tree.leaves(cache))

@@ -1,0 +1,314 @@
+"""Anthropic Messages API: `POST /v1/messages` and `POST /v1/messages/count_tokens`.
+
+Follows https://docs.anthropic.com/en/api/messages and its streaming spec
+(https://docs.anthropic.com/en/docs/build-with-claude/streaming) so that code
+written for the official `anthropic` SDK works by changing only `base_url`.
+The request is translated by `serving.anthropic_request` into Horizon's chat
+types, generated through the shared glue (`serving.generate`), and the
+engine's deltas (thinking, text, complete tool calls) become content blocks:
+
+  * `thinking` first whenever thinking is on (even when empty), closed with a
+    `signature` (HMAC-SHA256, serving/signing.py) the server checks when the
+    block comes back (`thinking.display: "omitted"`: empty text, the sealed
+    thinking as signature); `redacted_thinking` only for Anthropic's
+    documented test trigger (see serving/signing.py for why never otherwise);
+  * `text` for answer text; a new block whenever the kind changes, so the
+    content keeps the order the model wrote it in;
+  * `tool_use` {id toolu_..., name, input} per complete call; streamed as
+    `input_json_delta` fragments of the arguments JSON (the engine emits a call
+    only once its closing marker arrived, so fragments never need repair).
+
+Streaming order: message_start, ping, then per block content_block_start,
+content_block_delta*, content_block_stop, then message_delta (stop_reason,
+stop_sequence, usage) and message_stop. A `ping` also goes out whenever no
+event was due for `PING_INTERVAL_S` (queueing, long prefill), so proxies keep
+the connection open. An engine failure mid-stream sends Anthropic's `error`
+event. The non-streaming body is built from the same block builder, so a
+streamed message accumulated by the SDK equals the non-streamed one.
+
+Errors are raised as `serving.generate.APIError`; serving/server.py shapes
+them (and auth, body size, engine refusals) as `{"type": "error", "error":
+{"type", "message"}}` for these paths.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+from collections.abc import AsyncIterator
+from typing import Any
+
+import fastapi
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+
+from serving import generate, images, signing
+from serving.anthropic_request import InvalidRequest, ParsedRequest, parse_request
+from serving.generate import APIError, EventStreamResponse, sse
+from serving.types import Delta, TextDelta, ThinkingDelta, ToolCallDelta, Usage
+
+router = fastapi.APIRouter()
+
+PING_INTERVAL_S = 5.0  # idle seconds before a keep-alive `ping` event
+_JSON_FRAGMENT = 24  # characters per input_json_delta
+_STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens"}
+
+Event = tuple[str, dict[str, Any]]  # (SSE event name, data)
+
+
+class ContentBuilder:
+  """Turns a request's deltas into Anthropic content blocks and their stream events.
+
+  Args:
+    key: the signing key (app.state.signing_key).
+    thinking: thinking is on: the content starts with a thinking block.
+    display: "summarized": thinking text + HMAC signature; "omitted": empty
+      text, the sealed thinking as signature; "redacted": `redacted_thinking`
+      blocks (Anthropic's test trigger was sent). See serving/signing.py.
+  """
+
+  def __init__(self, key: bytes, *, thinking: bool, display: str = "summarized"):
+    if display not in ("summarized", "omitted", "redacted"):
+      raise ValueError(f"display={display!r}: expected 'summarized', 'omitted' or 'redacted'.")
+    self.content: list[dict[str, Any]] = []
+    self._key, self._display = key, display
+    self._owed = thinking  # a thinking block is still due (it comes first, even when empty)
+    self._open: str | None = None  # kind of the open block: "thinking" | "text"
+    self._thinking: list[str] = []
+
+  def feed(self, delta: Delta) -> list[Event]:
+    out: list[Event] = []
+    if isinstance(delta, ThinkingDelta):
+      if self._open != "thinking":
+        out += self._close() + self._open_thinking()
+      self._thinking.append(delta.text)
+      if delta.text and self._display == "summarized":
+        out.append(self._delta({"type": "thinking_delta", "thinking": delta.text}))
+      return out
+    out += self._owed_thinking()
+    if isinstance(delta, TextDelta):
+      if delta.text:
+        if self._open != "text":
+          out += self._close() + self._start({"type": "text", "text": ""}, "text")
+        self.content[-1]["text"] += delta.text
+        out.append(self._delta({"type": "text_delta", "text": delta.text}))
+    elif isinstance(delta, ToolCallDelta):
+      out += self._close() + self._tool_use(delta)
+    return out
+
+  def finish(self) -> list[Event]:
+    """Closes the open block (the thinking block, if still owed, is emitted empty)."""
+    return self._owed_thinking() + self._close()
+
+  # -- blocks --
+  def _delta(self, delta: dict[str, Any]) -> Event:
+    return "content_block_delta", {"type": "content_block_delta", "index": len(self.content) - 1,
+                                   "delta": delta}
+
+  def _start(self, block: dict[str, Any], kind: str | None) -> list[Event]:
+    self.content.append(block)
+    self._open = kind
+    return [("content_block_start", {"type": "content_block_start", "index": len(self.content) - 1,
+                                     "content_block": dict(block)})]
+
+  def _stop(self) -> Event:
+    self._open = None
+    return "content_block_stop", {"type": "content_block_stop", "index": len(self.content) - 1}
+
+  def _open_thinking(self) -> list[Event]:
+    self._owed = False
+    if self._display == "redacted":  # sent whole at the end: the data covers the full text
+      self._open = "thinking"
+      return []
+    return self._start({"type": "thinking", "thinking": "", "signature": ""}, "thinking")
+
+  def _owed_thinking(self) -> list[Event]:
+    return self._open_thinking() + self._close() if self._owed else []
+
+  def _close(self) -> list[Event]:
+    if self._open is None:
+      return []
+    if self._open == "text":
+      return [self._stop()]
+    text, self._thinking = "".join(self._thinking), []
+    if self._display == "redacted":
+      return self._start({"type": "redacted_thinking", "data": signing.seal_thinking(self._key, text)},
+                         None) + [self._stop()]
+    if self._display == "omitted":
+      signature = signing.seal_thinking(self._key, text)
+    else:
+      signature = signing.sign_thinking(self._key, text)
+      self.content[-1]["thinking"] = text
+    self.content[-1]["signature"] = signature
+    return [self._delta({"type": "signature_delta", "signature": signature}), self._stop()]
+
+  def _tool_use(self, delta: ToolCallDelta) -> list[Event]:
+    call = delta.call
+    args = json.loads(call.arguments)
+    out = self._start({"type": "tool_use", "id": call.id, "name": call.name, "input": {}}, None)
+    text = json.dumps(args, ensure_ascii=False)
+    for i in range(0, len(text), _JSON_FRAGMENT):
+      out.append(self._delta({"type": "input_json_delta", "partial_json": text[i:i + _JSON_FRAGMENT]}))
+    self.content[-1]["input"] = args
+    return out + [self._stop()]
+
+
+def stop_reason(processor, finish_reason: str) -> str:
+  """Engine finish reason -> Anthropic stop_reason (a turn that called tools: tool_use)."""
+  reason = processor.finish_reason(finish_reason)
+  if reason == "stop" and processor.stop_sequence is not None:
+    return "stop_sequence"
+  return _STOP_REASONS.get(reason, "end_turn")
+
+
+def _failure(finish_reason: str | None) -> APIError | None:
+  """The error for a generation that did not end normally (None when it did)."""
+  if finish_reason == "cancelled":
+    return APIError(503, "The request was cancelled because the server is shutting down; retry.")
+  if finish_reason in (None, "error"):
+    return APIError(500, "Generation failed inside the engine (see the server log); retry the request.")
+  return None
+
+
+def usage_json(usage: Usage) -> dict[str, Any]:
+  """Anthropic usage. No prompt cache exists, so the cache counts are truly 0.
+
+  output_tokens counts every generated token (thinking included, as on
+  Anthropic); output_tokens_details.thinking_tokens counts the tokens inside
+  the thinking block (the closing marker not included).
+  """
+  return {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens,
+          "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0,
+          "output_tokens_details": {"thinking_tokens": usage.thinking_tokens}}
+
+
+def _message(msg_id: str, model: str, content: list[dict[str, Any]], reason: str | None,
+             stop_seq: str | None, usage: dict[str, Any]) -> dict[str, Any]:
+  return {"id": msg_id, "type": "message", "role": "assistant", "model": model, "content": content,
+          "stop_reason": reason, "stop_sequence": stop_seq, "usage": usage}
+
+
+# ---- request handling ----------------------------------------------------------
+def _image_decoder(state):
+  """Base64 image -> float32 [H, W, C] at the loaded model's image size."""
+  cfg = getattr(state, "model_cfg", None) or state.engine.cfg
+  size, channels = int(cfg.vision.image_size), int(cfg.vision.num_channels)
+  return lambda data: images.decode_image(data, size, channels)
+
+
+async def _parse(request: fastapi.Request, *, count_only: bool) -> ParsedRequest:
+  try:
+    body = await request.json()
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise APIError(400, f"The request body is not valid JSON: {e}.") from None
+  state = request.app.state
+  try:  # off the event loop: image decoding and HMACs over long histories take a while
+    return await run_in_threadpool(parse_request, body, serving=state.config.serving,
+                                   key=state.signing_key, decode_image=_image_decoder(state),
+                                   count_only=count_only)
+  except InvalidRequest as e:
+    raise APIError(e.status, e.message) from None
+
+
+def _start(state, req: ParsedRequest):
+  return generate.start_generation(
+      state, req.messages, tools=req.tools, tool_choice=req.tool_choice, thinking=req.thinking,
+      thinking_budget=req.thinking_budget, effort=req.effort, params=req.params, stop=req.stop,
+      call_id_prefix="toolu_")
+
+
+async def _watch_disconnect(request: fastapi.Request, handle) -> None:
+  """Cancels `handle` when the client of a non-streaming request goes away."""
+  while (await request.receive())["type"] != "http.disconnect":
+    pass
+  handle.cancel()
+
+
+@router.post("/v1/messages")
+async def create_message(request: fastapi.Request):
+  state = request.app.state
+  req = await _parse(request, count_only=False)
+  handle, n_prompt, processor = _start(state, req)
+  msg_id = "msg_" + secrets.token_hex(12)
+  builder = ContentBuilder(state.signing_key, thinking=req.thinking, display=req.thinking_display)
+  if req.stream:
+    return EventStreamResponse(_stream(handle, processor, builder, msg_id, state.model_name, n_prompt),
+                               [handle])
+  watcher = asyncio.ensure_future(_watch_disconnect(request, handle))
+  last = None
+  try:
+    async for event in generate.stream_events(handle):
+      for delta in event.deltas:
+        builder.feed(delta)
+      last = event
+  finally:
+    watcher.cancel()
+  error = _failure(last.finish_reason if last else None)
+  if error is not None:
+    raise error
+  builder.finish()
+  return JSONResponse(_message(msg_id, state.model_name, builder.content,
+                               stop_reason(processor, last.finish_reason), processor.stop_sequence,
+                               usage_json(last.usage)))
+
+
+async def _events_or_pings(handle) -> AsyncIterator[Any]:
+  """The handle's events, with None whenever PING_INTERVAL_S passed without one."""
+  events = generate.stream_events(handle).__aiter__()
+  pending = None
+  try:
+    while True:
+      pending = pending or asyncio.ensure_future(events.__anext__())
+      done, _ = await asyncio.wait({pending}, timeout=PING_INTERVAL_S)
+      if not done:
+        yield None
+        continue
+      task, pending = pending, None
+      try:
+        event = task.result()
+      except StopAsyncIteration:
+        return
+      yield event
+  finally:
+    if pending is not None:
+      pending.cancel()
+    handle.cancel()  # no-op once finished
+
+
+async def _stream(handle, processor, builder: ContentBuilder, msg_id: str, model: str,
+                  n_prompt: int) -> AsyncIterator[str]:
+  start = _message(msg_id, model, [], None, None, {"input_tokens": n_prompt, "output_tokens": 0,
+                                                     "cache_creation_input_tokens": 0,
+                                                     "cache_read_input_tokens": 0})
+  yield sse({"type": "message_start", "message": start}, "message_start")
+  yield sse({"type": "ping"}, "ping")
+  last = None
+  async for event in _events_or_pings(handle):
+    if event is None:
+      yield sse({"type": "ping"}, "ping")
+      continue
+    for delta in event.deltas:
+      for name, data in builder.feed(delta):
+        yield sse(data, name)
+    last = event
+  error = _failure(last.finish_reason if last else None)
+  if error is not None:  # Anthropic's mid-stream error event
+    kind = "overloaded_error" if error.status == 503 else "api_error"
+    yield sse({"type": "error", "error": {"type": kind, "message": error.message}}, "error")
+    return
+  for name, data in builder.finish():
+    yield sse(data, name)
+  delta = {"stop_reason": stop_reason(processor, last.finish_reason),
+           "stop_sequence": processor.stop_sequence}
+  yield sse({"type": "message_delta", "delta": delta, "usage": usage_json(last.usage)}, "message_delta")
+  yield sse({"type": "message_stop"}, "message_stop")
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(request: fastapi.Request):
+  """The prompt's token count: exactly `usage.input_tokens` of the same messages.create."""
+  state = request.app.state
+  req = await _parse(request, count_only=True)
+  rendered = generate.render(state, req.messages, tools=req.tools, thinking=req.thinking, effort=req.effort)
+  return JSONResponse({"input_tokens": len(rendered.ids)})

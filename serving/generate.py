@@ -1,0 +1,315 @@
+"""Glue shared by the OpenAI and Anthropic front-ends: render, submit, collect, stream.
+
+Both APIs do the same four things per request: render the conversation with
+the one chat renderer (serving/chat.py), build an `OutputProcessor` (thinking
+budget, stop strings, tool calls), submit to the engine, then either collect
+the events into one result or forward them as they come. Keeping that here
+means the two front-ends differ only in JSON shapes.
+
+Cancellation: a streaming client that goes away must free its slot at once
+(issue 5). Starlette neither closes a response's body iterator when the
+client disconnects nor when sending fails, so `EventStreamResponse` wraps the
+ASGI call in `try/finally` and cancels its handles there; `stream_events`
+also cancels when its consumer closes it early. A non-streaming request
+listens for the disconnect while it waits (`collect(..., request=...)`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import numpy as np
+from starlette.responses import StreamingResponse
+
+from serving.engine import OverloadedError, Request, RequestError
+from serving.output import OutputProcessor
+from serving.types import (
+  Message,
+  SamplingParams,
+  TextDelta,
+  ThinkingDelta,
+  Tool,
+  ToolCall,
+  ToolCallDelta,
+  ToolChoice,
+  Usage,
+)
+
+
+class APIError(Exception):
+  """An error for the client; the server shapes it by path (OpenAI or Anthropic).
+
+  Args:
+    status: HTTP status.
+    message: what went wrong and how to fix it.
+    param: the request field at fault (OpenAI `param`; prefixed to the message for Anthropic).
+    code: OpenAI `code` (e.g. "invalid_api_key"; "overloaded" also selects Anthropic's 529).
+    type: OpenAI `type` override (default by status).
+  """
+
+  def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+               type: str | None = None):  # noqa: A002 (the field's name in both APIs)
+    super().__init__(message)
+    self.status = status
+    self.message = message
+    self.param = param
+    self.code = code
+    self.type = type
+
+
+def engine_error_types() -> tuple[type[Exception], ...]:
+  """Exceptions `Engine.submit` raises for a request (the server maps them with `engine_error`)."""
+  return (RequestError, OverloadedError)
+
+
+def engine_error(exc: Exception) -> APIError:
+  """RequestError -> 400 naming its param; OverloadedError -> 429 (OpenAI) / 529 (Anthropic)."""
+  if isinstance(exc, OverloadedError):
+    return APIError(429, f"The server is overloaded: {exc}. Retry later.", code="overloaded")
+  return APIError(400, str(getattr(exc, "message", None) or exc), param=getattr(exc, "param", None))
+
+
+def engine_alive(engine) -> bool:
+  """Whether the engine's loop thread is running (GET /health)."""
+  return bool(engine.running)
+
+
+@dataclasses.dataclass
+class Result:
+  """One finished generation (non-streaming)."""
+  thinking: str
+  text: str
+  tool_calls: list[ToolCall]
+  finish_reason: str
+  usage: Usage
+  stop_sequence: str | None
+
+
+AUTO = ToolChoice()
+
+# Effort mapping (issue 5, serving_spec.md): OpenAI reasoning_effort -> tier (None = thinking off).
+OPENAI_EFFORT_TIERS: dict[str, str | None] = {"none": None, "minimal": None, "low": "low",
+                                              "medium": "high", "high": "high", "xhigh": "max",
+                                              "max": "max"}
+
+
+def submit(app_state, prompt_ids: Sequence[int], images: Sequence[np.ndarray] | None,
+           processor: OutputProcessor, params: SamplingParams):
+  """Submits one request to the engine; returns its Handle (RequestError/OverloadedError propagate)."""
+  pixels = np.stack([np.asarray(im, np.float32) for im in images]) if images else None
+  request = Request(prompt_ids=list(prompt_ids), params=params, images=pixels, processor=processor)
+  return app_state.engine.submit(request, loop=asyncio.get_running_loop())
+
+
+def render(app_state, messages: list[Message], *, tools: Sequence[Tool], thinking: bool,
+           effort: str | None):
+  """Renders a conversation with the app's ChatRenderer; renderer ValueErrors become 400s."""
+  try:
+    return app_state.renderer.render(messages, tools=tools, effort=effort if thinking else None,
+                                     thinking=thinking, add_generation_prompt=True)
+  except ValueError as e:
+    message = str(e)
+    param = message.split(":", 1)[0] if message.startswith(("messages", "tools")) else None
+    raise APIError(400, message, param=param and param.split(" ")[0]) from None
+
+
+def check_images(app_state, n_images: int, param: str) -> None:
+  """Too many images -> 400 (config.serving.max_images)."""
+  limit = int(app_state.config.serving.max_images)
+  if n_images > limit:
+    raise APIError(400, f"The request has {n_images} images; this server accepts at most {limit} per "
+                   "request (config.serving.max_images).", param=param)
+
+
+def make_processor(app_state, *, thinking: bool, thinking_budget: int | None, stop: Sequence[str] = (),
+                   tools: Sequence[Tool] = (), tool_choice: ToolChoice = AUTO,
+                   call_id_prefix: str = "call_") -> OutputProcessor:
+  """A fresh OutputProcessor for one generation; its ValueErrors become 400s."""
+  try:
+    return OutputProcessor(app_state.tokenizer, thinking=thinking, thinking_budget=thinking_budget,
+                           stop=list(stop), tools=tools, tool_choice=tool_choice,
+                           call_id_prefix=call_id_prefix)
+  except ValueError as e:
+    raise APIError(400, str(e)) from None
+
+
+def start_generation(app_state, messages: list[Message], *, tools: Sequence[Tool] = (),
+                     tool_choice: ToolChoice = AUTO, thinking: bool, thinking_budget: int | None,
+                     effort: str | None, params: SamplingParams, stop: Sequence[str] = (),
+                     call_id_prefix: str = "call_"):
+  """Renders, builds the output processor and submits one generation.
+
+  Args:
+    app_state: the app's state (renderer, engine, tokenizer, config).
+    messages: the conversation.
+    tools, tool_choice: what the model may / must call.
+    thinking: the generation prompt opens a thinking block.
+    thinking_budget: most thinking tokens (None: unlimited).
+    effort: the tier stated in the system part ("low" | "high" | "max"; only when thinking).
+    params: sampling parameters (max_tokens counts thinking).
+    stop: stop strings on the answer text.
+    call_id_prefix: "call_" (OpenAI) or "toolu_" (Anthropic).
+
+  Returns:
+    (handle, prompt_token_count, processor).
+
+  Raises:
+    APIError: a malformed conversation (400, naming the field).
+    RequestError / OverloadedError: the engine refused it (the server maps them).
+  """
+  rendered = render(app_state, messages, tools=tools, thinking=thinking, effort=effort)
+  check_images(app_state, len(rendered.images), "messages")
+  processor = make_processor(app_state, thinking=thinking, thinking_budget=thinking_budget, stop=stop,
+                             tools=tools, tool_choice=tool_choice, call_id_prefix=call_id_prefix)
+  handle = submit(app_state, rendered.ids, rendered.images, processor, params)
+  return handle, len(rendered.ids), processor
+
+
+async def _watch_disconnect(request, handles: Sequence[Any]) -> None:
+  """Cancels `handles` when the HTTP client disconnects (the body was already read)."""
+  while True:
+    message = await request.receive()
+    if message["type"] == "http.disconnect":
+      for h in handles:
+        h.cancel()
+      return
+
+
+async def _gather(handle) -> Result:
+  thinking, text, calls = [], [], []
+  last = None
+  async for event in stream_events(handle):
+    for d in event.deltas:
+      if isinstance(d, ThinkingDelta):
+        thinking.append(d.text)
+      elif isinstance(d, TextDelta):
+        text.append(d.text)
+      elif isinstance(d, ToolCallDelta):
+        calls.append(d.call)
+    last = event
+  if last is None or last.finish_reason is None:
+    raise APIError(500, "The engine ended the request without a final event.")
+  return Result(thinking="".join(thinking), text="".join(text), tool_calls=calls,
+                finish_reason=last.finish_reason, usage=last.usage,
+                stop_sequence=getattr(handle.request.processor, "stop_sequence", None))
+
+
+async def collect_all(handles: Sequence[Any], request=None) -> list[Result]:
+  """Waits for generations to finish and gathers their deltas (non-streaming responses).
+
+  Args:
+    handles: engine Handles.
+    request: the Starlette request; when given, a client disconnect cancels every handle.
+  """
+  watcher = asyncio.ensure_future(_watch_disconnect(request, handles)) if request is not None else None
+  try:
+    return list(await asyncio.gather(*(_gather(h) for h in handles)))
+  finally:
+    if watcher is not None:
+      watcher.cancel()
+    for h in handles:
+      h.cancel()  # no-op for finished ones
+
+
+async def collect(handle, request=None) -> Result:
+  """One generation's Result (see `collect_all`)."""
+  return (await collect_all([handle], request))[0]
+
+
+def final_reason(handle, reason: str) -> str:
+  """The engine's finish reason, with 'stop' at end of turn after tool calls made 'tool_calls'.
+
+  The engine ends a request on a stop token (<|end_of_turn|>, eos) without
+  feeding it to the processor, so the processor's own end-of-turn rule
+  ("after >= 1 valid call -> tool_calls") is applied here. A matched stop
+  string stays 'stop'.
+  """
+  proc = handle.request.processor
+  if reason == "stop" and getattr(proc, "tool_calls", None) and getattr(proc, "stop_sequence", None) is None:
+    return "tool_calls"
+  return reason
+
+
+async def stream_events(handle) -> AsyncIterator[Any]:
+  """Yields a handle's events (deltas per step, then the final event with finish_reason and usage).
+
+  Cancels the handle when the consumer stops before the final event (closes
+  this generator, or the task running it is cancelled). The final event's
+  finish_reason goes through `final_reason`.
+  """
+  finished = False
+  try:
+    async for event in handle.aevents():
+      finished = event.finish_reason is not None
+      if finished:
+        event = dataclasses.replace(event, finish_reason=final_reason(handle, event.finish_reason))
+      yield event
+  finally:
+    if not finished:
+      handle.cancel()
+
+
+async def merge_streams(handles: Sequence[Any]) -> AsyncIterator[tuple[int, Any]]:
+  """(index, event) of several handles' events, interleaved as they arrive (n > 1 choices)."""
+  if len(handles) == 1:
+    async for event in stream_events(handles[0]):
+      yield 0, event
+    return
+  queue: asyncio.Queue = asyncio.Queue()
+
+  async def pump(i: int, handle) -> None:
+    try:
+      async for event in stream_events(handle):
+        await queue.put((i, event))
+    finally:
+      await queue.put((i, None))
+
+  tasks = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
+  try:
+    remaining = len(handles)
+    while remaining:
+      i, event = await queue.get()
+      if event is None:
+        remaining -= 1
+      else:
+        yield i, event
+  finally:
+    for t in tasks:
+      t.cancel()
+    for h in handles:
+      h.cancel()
+
+
+class EventStreamResponse(StreamingResponse):
+  """`text/event-stream` whose handles are cancelled however the response ends.
+
+  Starlette leaves the body iterator suspended when the client disconnects
+  (the send fails or the disconnect listener cancels the task); the finally
+  here closes it and cancels the handles, so the engine frees the slots at
+  its next step. Cancelling a finished handle does nothing.
+  """
+
+  def __init__(self, content: AsyncIterator[str], handles: Sequence[Any]):
+    super().__init__(content, media_type="text/event-stream",
+                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    self._handles = list(handles)
+
+  async def __call__(self, scope, receive, send) -> None:
+    try:
+      await super().__call__(scope, receive, send)
+    finally:
+      for h in self._handles:
+        h.cancel()
+      close = getattr(self.body_iterator, "aclose", None)
+      if close is not None:
+        await close()
+
+
+def sse(data: Any, event: str | None = None) -> str:
+  """One server-sent event: compact JSON data (and an event name for Anthropic)."""
+  text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+  return (f"event: {event}\n" if event else "") + f"data: {text}\n\n"

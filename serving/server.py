@@ -1,0 +1,335 @@
+"""The HTTP server: one FastAPI app serving the OpenAI and the Anthropic API.
+
+Agent middleware written for either vendor must work by changing only the base
+URL, so everything a client can observe follows the vendor's documented
+shapes: the routes (`/v1/chat/completions`, `/v1/completions`, `/v1/models`
+from OpenAI's API reference; `/v1/messages`, `/v1/messages/count_tokens` from
+Anthropic's), the auth headers (`Authorization: Bearer KEY` for OpenAI,
+`x-api-key: KEY` for Anthropic; either is accepted on every route), and --
+what SDKs branch on -- the error bodies and status codes. Every error, also
+FastAPI's own (request validation 422 -> 400, unknown route 404, wrong method
+405) and the ones raised before routing (401, 413), is reshaped by the path it
+belongs to: `/v1/messages*` in Anthropic's `{"type": "error", "error": {...}}`,
+everything else in OpenAI's `{"error": {"message", "type", "param", "code"}}`.
+
+`/health` is open (load balancers probe it without credentials); every other
+route needs the key when `config.serving.api_key` is set. The body limit
+(`config.serving.max_body_bytes`) is enforced while reading, so a client that
+streams an oversized chunked body is cut off at the limit, not after.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import socket
+import threading
+import time
+from typing import Any
+
+import fastapi
+import uvicorn
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from model.config import ModelConfig
+from serving import generate, openai_api, signing
+from serving.chat import ChatRenderer
+from serving.generate import APIError
+
+_log = logging.getLogger(__name__)
+
+# Anthropic error types by status (docs.anthropic.com "Errors").
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+                    429: "rate_limit_error", 500: "api_error", 503: "overloaded_error",
+                    529: "overloaded_error"}
+# OpenAI (type, code) by status when the raiser gave none.
+_OPENAI_TYPES = {400: ("invalid_request_error", None), 401: ("authentication_error", "invalid_api_key"),
+                 403: ("permission_error", None), 404: ("not_found_error", "not_found"),
+                 405: ("invalid_request_error", "method_not_allowed"),
+                 413: ("invalid_request_error", "request_too_large"),
+                 429: ("rate_limit_error", "overloaded"), 500: ("server_error", None),
+                 503: ("server_error", "unavailable")}
+
+
+def is_anthropic_path(path: str) -> bool:
+  """Routes that answer in Anthropic's shapes: the Messages API and its count_tokens."""
+  return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def error_response(path: str, status: int, message: str, *, param: str | None = None,
+                   code: str | None = None, type_: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+  """An error in the shape of the API `path` belongs to.
+
+  Anthropic has no `param`, so it is folded into the message there. Overload is
+  429 for OpenAI and 529 `overloaded_error` for Anthropic (each vendor's own).
+  """
+  if is_anthropic_path(path):
+    if code == "overloaded":
+      status = 529
+    a_type = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    if param and param not in message:
+      message = f"{param}: {message}"
+    body = {"type": "error", "error": {"type": a_type, "message": message}}
+  else:
+    d_type, d_code = _OPENAI_TYPES.get(status, ("invalid_request_error" if status < 500 else "server_error",
+                                               None))
+    body = {"error": {"message": message, "type": type_ or d_type, "param": param, "code": code or d_code}}
+  return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _loc_to_param(loc: tuple[Any, ...], anthropic: bool) -> str | None:
+  """('body', 'messages', 0, 'role') -> 'messages[0].role' (OpenAI) or 'messages.0.role' (Anthropic)."""
+  parts = [p for p in loc if p not in ("body",)]
+  # Pydantic names the union member it tried ("str", "list[...]", "function-after[...]"); drop them.
+  parts = [p for p in parts if not (isinstance(p, str) and ("[" in p or p in ("str", "int", "float",
+                                                                             "list", "dict", "bool")))]
+  if not parts:
+    return None
+  if anthropic:
+    return ".".join(str(p) for p in parts)
+  out = ""
+  for p in parts:
+    out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+  return out
+
+
+def _validation_response(request: fastapi.Request, exc: RequestValidationError) -> JSONResponse:
+  path = request.url.path
+  errors = exc.errors()
+  if not errors:
+    return error_response(path, 400, "Invalid request body.")
+  first = errors[0]
+  if first.get("type") == "json_invalid":
+    return error_response(path, 400, f"The request body is not valid JSON: {first.get('msg')}.")
+  param = _loc_to_param(tuple(first.get("loc", ())), is_anthropic_path(path))
+  msg = first.get("msg", "invalid value")
+  if param is None:  # the body as a whole: not a JSON object (or no JSON content type)
+    return error_response(path, 400, f"The request body must be a JSON object sent with Content-Type: "
+                          f"application/json ({msg}).")
+  more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
+  where = f"{param}: " if param else ""
+  return error_response(path, 400, f"{where}{msg}{more}", param=param)
+
+
+def _install_error_handlers(app: fastapi.FastAPI) -> None:
+  async def on_api_error(request: fastapi.Request, exc: APIError) -> JSONResponse:
+    return error_response(request.url.path, exc.status, exc.message, param=exc.param, code=exc.code,
+                          type_=exc.type)
+
+  async def on_validation(request: fastapi.Request, exc: RequestValidationError) -> JSONResponse:
+    return _validation_response(request, exc)
+
+  async def on_http(request: fastapi.Request, exc: StarletteHTTPException) -> JSONResponse:
+    path = request.url.path
+    if exc.status_code == 404:
+      message = f"Invalid URL ({request.method} {path}): no such route."
+    elif exc.status_code == 405:
+      message = f"Method {request.method} is not allowed on {path}."
+    else:
+      message = str(exc.detail)
+    return error_response(path, exc.status_code, message, headers=getattr(exc, "headers", None))
+
+  async def on_engine_error(request: fastapi.Request, exc: Exception) -> JSONResponse:
+    api_error = generate.engine_error(exc)
+    return await on_api_error(request, api_error)
+
+  async def on_unhandled(request: fastapi.Request, exc: Exception) -> JSONResponse:
+    _log.exception("unhandled error on %s %s", request.method, request.url.path)
+    return error_response(request.url.path, 500, f"Internal server error ({type(exc).__name__}).")
+
+  app.add_exception_handler(APIError, on_api_error)
+  app.add_exception_handler(RequestValidationError, on_validation)
+  app.add_exception_handler(StarletteHTTPException, on_http)
+  for exc_type in generate.engine_error_types():
+    app.add_exception_handler(exc_type, on_engine_error)
+  app.add_exception_handler(Exception, on_unhandled)
+
+
+class _Guard:
+  """Pure ASGI middleware: API-key check and body-size limit, before any routing.
+
+  Pure ASGI (not BaseHTTPMiddleware) so streaming responses and the
+  disconnect message reach the app untouched. The body is read here up to the
+  limit and replayed to the app; later `receive()` calls go to the client
+  (the streaming routes listen on them for a disconnect).
+  """
+
+  def __init__(self, app, *, api_key: str, max_body_bytes: int):
+    self.app = app
+    self.api_key = api_key.encode() if api_key else b""
+    self.max_body_bytes = max_body_bytes
+
+  def _authorized(self, headers: dict[bytes, bytes]) -> bool:
+    given = headers.get(b"x-api-key", b"")
+    auth = headers.get(b"authorization", b"")
+    if auth[:7].lower() == b"bearer ":
+      given = given or auth[7:].strip()
+    return bool(given) and hmac.compare_digest(given, self.api_key)
+
+  async def _send_error(self, send, path: str, status: int, message: str, **kw) -> None:
+    resp = error_response(path, status, message, **kw)
+    await send({"type": "http.response.start", "status": resp.status_code, "headers": resp.raw_headers})
+    await send({"type": "http.response.body", "body": resp.body})
+
+  async def __call__(self, scope, receive, send):
+    if scope["type"] != "http":
+      return await self.app(scope, receive, send)
+    path = scope["path"]
+    headers = dict(scope.get("headers", ()))
+    if self.api_key and path != "/health" and not self._authorized(headers):
+      missing = not (headers.get(b"x-api-key") or headers.get(b"authorization"))
+      msg = ("No API key provided: send `Authorization: Bearer KEY` or `x-api-key: KEY`." if missing
+             else "Incorrect API key provided.")
+      return await self._send_error(send, path, 401, msg)
+    limit = self.max_body_bytes
+    too_big = (f"Request body exceeds the server's limit of {limit} bytes "
+               "(config.serving.max_body_bytes).")
+    declared = headers.get(b"content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+      return await self._send_error(send, path, 413, too_big)
+    if scope.get("method") in ("GET", "HEAD", "DELETE", "OPTIONS"):
+      return await self.app(scope, receive, send)
+    chunks, size = [], 0
+    while True:
+      message = await receive()
+      if message["type"] == "http.disconnect":
+        return None
+      body = message.get("body", b"")
+      size += len(body)
+      if size > limit:
+        return await self._send_error(send, path, 413, too_big)
+      chunks.append(body)
+      if not message.get("more_body", False):
+        break
+    replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+    async def replay_receive():
+      return replay.pop() if replay else await receive()
+
+    return await self.app(scope, replay_receive, send)
+
+
+def _model_card(app_state) -> dict[str, Any]:
+  """One model in a shape both SDKs parse: OpenAI's `Model` and Anthropic's `ModelInfo`."""
+  created = int(app_state.created)
+  serving = app_state.config.serving
+  return {
+      "id": app_state.model_name, "object": "model", "created": created, "owned_by": "horizon",
+      "type": "model", "display_name": app_state.model_name,
+      "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created)),
+      "lifecycle": "active", "max_input_tokens": int(serving.max_context),
+      "max_tokens": int(serving.max_context),
+  }
+
+
+def _add_operational_routes(app: fastapi.FastAPI) -> None:
+  @app.get("/health")
+  async def health() -> JSONResponse:
+    engine = app.state.engine
+    alive = generate.engine_alive(engine)
+    return JSONResponse({"status": "ok" if alive else "engine stopped", "model": app.state.model_name},
+                        status_code=200 if alive else 503)
+
+  @app.get("/metrics")
+  async def metrics() -> PlainTextResponse:
+    return PlainTextResponse(app.state.engine.metrics.render(), media_type="text/plain; version=0.0.4")
+
+  @app.get("/v1/models")
+  async def list_models() -> dict[str, Any]:
+    card = _model_card(app.state)
+    return {"object": "list", "data": [card], "has_more": False, "first_id": card["id"],
+            "last_id": card["id"]}
+
+  @app.get("/v1/models/{model_id:path}")
+  async def get_model(model_id: str) -> dict[str, Any]:
+    if model_id != app.state.model_name:
+      raise APIError(404, f"The model '{model_id}' does not exist; this server serves "
+                     f"'{app.state.model_name}'.", param="model", code="model_not_found")
+    return _model_card(app.state)
+
+
+def _model_cfg(engine, config):
+  """The served model's ModelConfig: the engine's (a checkpoint's config wins over config.model)."""
+  model_cfg = getattr(engine, "cfg", None)
+  return model_cfg if model_cfg is not None else ModelConfig.from_config(config.model)
+
+
+def _image_tokens(model_cfg) -> int:
+  """Placeholders per image: the vision encoder's patch count, 0 without vision."""
+  return int(model_cfg.vision.num_patches) if model_cfg.vision.enabled else 0
+
+
+def create_app(engine, tokenizer, config) -> fastapi.FastAPI:
+  """The server app over a started `serving.engine.Engine`.
+
+  Args:
+    engine: the engine (the caller starts and stops it).
+    tokenizer: the engine's tokenizer.
+    config: the full serving ConfigDict (`.serving` and `.model`), configs/serve.py.
+
+  Returns:
+    A FastAPI app; `app.state` holds engine, tokenizer, renderer, config,
+    model_cfg (the served ModelConfig), signing_key, model_name and
+    created (unix time).
+  """
+  app = fastapi.FastAPI(title="Horizon", docs_url=None, redoc_url=None, openapi_url=None)
+  app.state.engine = engine
+  app.state.tokenizer = tokenizer
+  app.state.config = config
+  app.state.model_cfg = _model_cfg(engine, config)
+  app.state.renderer = ChatRenderer(tokenizer, num_image_tokens=_image_tokens(app.state.model_cfg))
+  app.state.signing_key = signing.signing_key(config.serving.signing_key)
+  app.state.model_name = config.serving.model_name
+  app.state.created = time.time()
+  _install_error_handlers(app)
+  _add_operational_routes(app)
+  app.include_router(openai_api.router)
+  try:
+    from serving import anthropic_api
+  except ImportError as e:  # built by another module; the server works without it
+    _log.warning("Anthropic API not available (%s): /v1/messages is not served.", e)
+  else:
+    app.include_router(anthropic_api.router)
+  app.add_middleware(_Guard, api_key=str(config.serving.api_key or ""),
+                     max_body_bytes=int(config.serving.max_body_bytes))
+  return app
+
+
+class BackgroundServer:
+  """uvicorn serving `app` from a daemon thread (tests, benchmarks, notebooks).
+
+  Args:
+    app: the ASGI app (create_app).
+    host: interface to bind.
+    port: TCP port; 0 picks a free one.
+    log_level: uvicorn's log level.
+  """
+
+  def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+    if port == 0:
+      with socket.socket() as s:
+        s.bind((host, 0))
+        port = s.getsockname()[1]
+    self.url = f"http://{host}:{port}"
+    self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                                 lifespan="off"))
+    self._thread = threading.Thread(target=self._server.run, name="horizon-server", daemon=True)
+
+  def start(self, timeout: float = 60.0) -> "BackgroundServer":
+    """Starts the thread; returns once the server accepts connections."""
+    self._thread.start()
+    deadline = time.monotonic() + timeout
+    while not self._server.started:
+      if not self._thread.is_alive() or time.monotonic() > deadline:
+        raise RuntimeError(f"the server at {self.url} did not start within {timeout} s (port taken?).")
+      time.sleep(0.02)
+    return self
+
+  def stop(self, timeout: float = 10.0) -> None:
+    """Asks uvicorn to exit and joins its thread."""
+    self._server.should_exit = True
+    self._thread.join(timeout=timeout)
