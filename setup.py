@@ -30,6 +30,6 @@ setup(
         "pillow>=10",
     ],
     package_data={"training": ["assets/*.json", "assets/README.md"]},
-    extras_require={"test": ["pytest>=8", "ruff>=0.15", "openai>=1.50", "anthropic>=0.40",
-                             "httpx>=0.27"]},
+    extras_require={"test": ["pytest>=8", "pytest-xdist>=3.5", "ruff>=0.15", "openai>=1.50",
+                             "anthropic>=0.40", "httpx>=0.27"]},
 )
