@@ -150,6 +150,12 @@ def test_quantize_script_round_trip(tmp_path):
             config=horizon.get_config("tiny"), force=True)
   with pytest.raises(ValueError, match="divisible by 32"):
     quantize.convert(str(tiny_src), str(tmp_path / "o3"))
-  for name in ("o1", "o2", "o3"):
+  # A checkpoint that stores no config, converted with a config of other shapes.
+  bare = tmp_path / "bare"
+  with Checkpointer(bare, every=1, keep=1, async_save=False) as ck:
+    ck.save(2, model=dense, force=True)
+  with pytest.raises(CheckpointError, match="different config"):
+    quantize.convert(str(bare), str(tmp_path / "o4"), fallback_config=horizon.get_config("tiny"))
+  for name in ("o1", "o2", "o3", "o4"):
     assert not (tmp_path / name).exists()
   assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
