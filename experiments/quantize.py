@@ -62,7 +62,11 @@ def convert(src: str, dst: str, what: str = "experts", mode: str = "floor",
   if config is None:
     raise CheckpointError(f"checkpoint {src} stores no config; pass --config=configs/horizon.py:"
                           "<variant> matching it.")
-  fallback = config.get("model") or horizon.get_config("tiny").model
+  # Current defaults for fields newer than the checkpoint; the stored values override them.
+  variant = config.get("variant") if config.get("variant") in horizon.VARIANTS else "tiny"
+  fallback = horizon.get_config(variant).model
+  if not meta.get("config"):
+    fallback = config["model"]
   cfg = stored_model_config(src_path, fallback, meta["step"])
   if cfg.quantization != "none":
     raise CheckpointError(f"checkpoint {src} is already quantized (model.quantization="
