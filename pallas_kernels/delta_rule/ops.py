@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from model.attention.delta_rule import _check_inputs as check_reference_inputs
 from pallas_kernels.delta_rule import kernel
 
 _FN = "pallas chunk_gated_delta_rule"
@@ -87,23 +88,8 @@ class _Plan:
 
 
 def _check_inputs(q, k, v, g, beta, initial_state, reset) -> None:
-  """Raises a ValueError naming the offending argument and the expected shape."""
-  if q.ndim != 4:
-    raise ValueError(f"{_FN}: q must be [b, t, h, kd]; got shape {q.shape}.")
-  b, t, h, _ = q.shape
-  if k.shape != q.shape:
-    raise ValueError(f"{_FN}: k has shape {k.shape}; it must match q's shape {q.shape} [b, t, h, kd].")
-  if v.ndim != 4 or v.shape[:3] != (b, t, h):
-    raise ValueError(f"{_FN}: v has shape {v.shape}; expected [b, t, h, vd] = {(b, t, h)} + [vd].")
-  for name, x in (("g", g), ("beta", beta)):
-    if x.shape != (b, t, h):
-      raise ValueError(f"{_FN}: {name} has shape {x.shape}; expected [b, t, h] = {(b, t, h)}.")
-  want = (b, h, q.shape[-1], v.shape[-1])
-  if initial_state is not None and initial_state.shape != want:
-    raise ValueError(f"{_FN}: initial_state has shape {initial_state.shape}; expected "
-                     f"[b, h, kd, vd] = {want} (or None for a zero state).")
-  if reset is not None and reset.shape != (b, t):
-    raise ValueError(f"{_FN}: reset has shape {reset.shape}; expected [b, t] = {(b, t)} (or None).")
+  """Raises a ValueError naming the offending argument and the expected shape or dtype."""
+  check_reference_inputs(_FN, q, k, v, g, beta, initial_state, reset)
   named = (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state))
   for name, x in named:
     if x is not None and not jnp.issubdtype(x.dtype, jnp.floating):

@@ -29,9 +29,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.common import need as _need
+from pallas_kernels.common import resolve_backend, resolve_interpret
 from pallas_kernels.indexer_topk import kernel
 
-BACKENDS = ("tpu", "triton")
 _INT_MAX = jnp.iinfo(jnp.int32).max
 _INT_MIN = jnp.iinfo(jnp.int32).min
 
@@ -46,11 +47,6 @@ def _round_up(x: int, m: int) -> int:
 
 def _next_pow2(x: int, floor: int = 1) -> int:
   return max(floor, 1 << max(0, x - 1).bit_length())
-
-
-def _need(cond: bool, msg: str) -> None:
-  if not cond:
-    raise ValueError(msg)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,21 +95,6 @@ def _check_args(q_idx, w_idx, k_idx, q_pos, q_seg, k_pos, k_seg, topk, query_blo
   for name, val in (("topk", topk), ("query_block", query_block), ("key_block", key_block)):
     _need(isinstance(val, int) and val > 0, f"{fn}: {name}={val!r} must be a positive int.")
   return b, t, h, d, s
-
-
-def resolve_backend(backend: str | None) -> str:
-  """None -> "tpu" on a TPU, else "triton" (GPU, or its interpret mode on CPU)."""
-  if backend is None:
-    return "tpu" if jax.default_backend() == "tpu" else "triton"
-  _need(backend in BACKENDS, f"backend={backend!r}: choose one of {BACKENDS} (or None for the default).")
-  return backend
-
-
-def resolve_interpret(interpret):
-  """None -> interpret on CPU only; a pltpu.InterpretParams passes through (TPU body)."""
-  if interpret is None:
-    return jax.default_backend() == "cpu"
-  return interpret if isinstance(interpret, pltpu.InterpretParams) else bool(interpret)
 
 
 def _geometry(dims, topk: int, key_block: int, block: BlockSizes, backend: str, interpret):

@@ -35,9 +35,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.common import need as _need
+from pallas_kernels.common import resolve_backend, resolve_interpret
 from pallas_kernels.sparse_attention import kernel
 
-BACKENDS = ("tpu", "triton")
 _F32 = jnp.float32
 
 
@@ -87,11 +88,6 @@ class BlockSizes:
     return cls(8, 128, None) if backend == "tpu" else cls(1, 32, 32)
 
 
-def _need(cond: bool, msg: str) -> None:
-  if not cond:
-    raise ValueError(msg)
-
-
 def _check_args(q_lat, q_rope, latent, k_rope, idx, valid, scale, query_block):
   fn = "pallas sparse_mqa_attention"
   _need(q_lat.ndim == 4 and 0 not in q_lat.shape,
@@ -111,21 +107,6 @@ def _check_args(q_lat, q_rope, latent, k_rope, idx, valid, scale, query_block):
         f"{fn}: query_block={query_block!r} must be a positive int.")
   _need(isinstance(scale, (int, float)) and scale > 0, f"{fn}: scale={scale!r} must be a positive number.")
   return b, t, h, s, c, q_rope.shape[3], idx.shape[2]
-
-
-def resolve_backend(backend: str | None) -> str:
-  """None -> "tpu" on a TPU, else "triton" (GPU, or its interpret mode on CPU)."""
-  if backend is None:
-    return "tpu" if jax.default_backend() == "tpu" else "triton"
-  _need(backend in BACKENDS, f"backend={backend!r}: choose one of {BACKENDS} (or None for the default).")
-  return backend
-
-
-def resolve_interpret(interpret):
-  """None -> interpret on CPU only; a pltpu.InterpretParams passes through (TPU body)."""
-  if interpret is None:
-    return jax.default_backend() == "cpu"
-  return interpret if isinstance(interpret, pltpu.InterpretParams) else bool(interpret)
 
 
 def _geometry(dims, scale, query_block, block: BlockSizes, backend: str, interpret):
