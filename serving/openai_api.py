@@ -172,18 +172,26 @@ async def _chat_stream(handles, reply: _Reply, include_usage: bool) -> AsyncIter
 
   for i in range(len(handles)):
     yield chunk(i, {"role": "assistant", "content": ""})
+  async for line in _choice_stream(handles, reply, include_usage, chunk, {},
+                                   lambda ev: [x for d in ev.deltas for x in _delta_json(d)]):
+    yield line
+
+
+async def _choice_stream(handles, reply: _Reply, include_usage: bool, chunk, empty,
+                         pieces) -> AsyncIterator[str]:
+  """The per-event part of both streams: pieces(event) as chunks, a finish chunk per choice,
+  the usage chunk, [DONE]; an engine failure ends the stream with an error event."""
   usages = []
   async for i, event in generate.merge_streams(handles):
-    for d in event.deltas:
-      for delta in _delta_json(d):
-        yield chunk(i, delta)
+    for piece in pieces(event):
+      yield chunk(i, piece)
     if event.finish_reason is not None:
       failure = _error_event(event.finish_reason)
       if failure:
         yield failure
         return
       usages.append(event.usage)
-      yield chunk(i, {}, _finish_reason(event.finish_reason))
+      yield chunk(i, empty, _finish_reason(event.finish_reason))
   if include_usage:
     yield sse({**reply.head(), "choices": [], "usage": usage_json(reply.prompt_tokens, usages)})
   yield sse("[DONE]")
@@ -261,21 +269,12 @@ async def _completion_stream(groups, reply: _Reply, include_usage: bool) -> Asyn
   for i, text in enumerate(echo_text):
     if text:
       yield chunk(i, text)
-  usages = []
-  async for i, event in generate.merge_streams(handles):
+  def text_of(event) -> list[str]:
     text = "".join(d.text for d in event.deltas if isinstance(d, TextDelta))
-    if text:
-      yield chunk(i, text)
-    if event.finish_reason is not None:
-      failure = _error_event(event.finish_reason)
-      if failure:
-        yield failure
-        return
-      usages.append(event.usage)
-      yield chunk(i, "", _finish_reason(event.finish_reason))
-  if include_usage:
-    yield sse({**reply.head(), "choices": [], "usage": usage_json(reply.prompt_tokens, usages)})
-  yield sse("[DONE]")
+    return [text] if text else []
+
+  async for line in _choice_stream(handles, reply, include_usage, chunk, "", text_of):
+    yield line
 
 
 @router.post("/v1/completions")
