@@ -114,7 +114,7 @@ def test_dims_not_divisible_by_32_are_a_clear_error():
 
 def test_quantize_script_round_trip(tmp_path):
   """Dense checkpoint -> quantize -> load_model gives the quantized model; bad inputs write nothing."""
-  from experiments import quantize
+  from training import quantize
   from training.checkpoint import Checkpointer, CheckpointError, load_model, read_meta
 
   config = horizon.get_config("tiny")
