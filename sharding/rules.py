@@ -213,6 +213,34 @@ def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
   return jax.lax.with_sharding_constraint(x, activation_spec(logical, x.shape, dict(mesh.shape)))
 
 
+def per_shard(fn, args: Sequence[jax.Array], in_logical: Sequence[Sequence[str | None]],
+              out_logical: Any) -> Any:
+  """fn(*args) run on each device's shard, laid out by logical names (a no-op without a mesh).
+
+  XLA cannot partition a Pallas kernel (a custom call): under a sharded jit it
+  would gather every input to every device. The model's kernel calls go
+  through here instead, so each device runs the kernel on its own rows (and
+  heads, where the maths allows). Dims whose mesh axes do not divide them stay
+  whole, for inputs and outputs alike, so fn always sees consistent shapes.
+
+  Args:
+    fn: a function of len(args) arrays; must be correct on any shard of the
+      dims named in in_logical (e.g. independent over 'batch').
+    in_logical: one tuple of logical names per arg (activation rules).
+    out_logical: the same structure as fn's output, one tuple per array.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return fn(*args)
+  shape = dict(mesh.shape)
+  in_specs = tuple(activation_spec(lg, a.shape, shape)
+                   for a, lg in zip(args, in_logical, strict=True))
+  outs = jax.eval_shape(fn, *args)
+  # outs is a prefix of out_logical: each array's leaf meets its whole tuple of names.
+  out_specs = jax.tree.map(lambda o, lg: activation_spec(lg, o.shape, shape), outs, out_logical)
+  return jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
+
+
 def per_device_bytes(shape: Sequence[int], itemsize: float, spec: P,
                      mesh_shape: Mapping[str, int]) -> float:
   """Bytes one device holds of an array of `shape` laid out with `spec`."""

@@ -38,6 +38,7 @@ from flax import nnx
 from model.attention.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from model.config import ModelConfig
 from model.layers import einsum, param, rms_norm
+from sharding.rules import per_shard
 
 L2_EPS = 1e-6
 
@@ -47,7 +48,21 @@ def _chunk_rule(use_pallas: bool):
   if not use_pallas:
     return chunk_gated_delta_rule
   from pallas_kernels.delta_rule import ops  # noqa: PLC0415 - optional backend
-  return ops.chunk_gated_delta_rule
+
+  def rule(q, k, v, g, beta, initial_state=None, reset=None, chunk_size=64):
+    """The kernel on each device's (batch rows, heads) shard (sharding.rules.per_shard)."""
+    b, _, h, kd = q.shape
+    state = (jnp.zeros((b, h, kd, v.shape[-1]), jnp.float32) if initial_state is None
+             else initial_state)
+    rst = jnp.zeros(q.shape[:2], bool) if reset is None else reset
+    fn = lambda q, k, v, g, beta, s, r: ops.chunk_gated_delta_rule(  # noqa: E731
+        q, k, v, g, beta, initial_state=s, reset=r, chunk_size=chunk_size)
+    t4, t3 = ("batch", None, "heads", None), ("batch", None, "heads")
+    st = ("batch", "heads", None, None)
+    return per_shard(fn, (q, k, v, g, beta, state, rst), (t4, t4, t4, t3, t3, st, ("batch", None)),
+                     (t4, st))
+
+  return rule
 
 
 @flax.struct.dataclass

@@ -31,6 +31,7 @@ from flax import nnx
 from model.attention import sparse
 from model.config import ModelConfig
 from model.layers import RMSNorm, apply_rope, einsum, param
+from sharding.rules import per_shard
 
 
 def _kernels(use_pallas: bool):
@@ -39,7 +40,22 @@ def _kernels(use_pallas: bool):
     return sparse.blockwise_topk, sparse.sparse_mqa_attention
   from pallas_kernels.indexer_topk import ops as topk_ops  # noqa: PLC0415 - optional backend
   from pallas_kernels.sparse_attention import ops as attn_ops  # noqa: PLC0415
-  return topk_ops.blockwise_topk, attn_ops.sparse_mqa_attention
+
+  # Under a mesh each device runs the kernels on its own batch rows
+  # (sharding.rules.per_shard); heads stay whole because p_sel sums over them.
+  def topk(q_i, w_i, k_i, q_pos, q_seg, k_pos, k_seg, k, qb, kb):
+    fn = lambda *a: topk_ops.blockwise_topk(*a, k, qb, kb)  # noqa: E731
+    b3, b2 = ("batch", None, None), ("batch", None)
+    return per_shard(fn, (q_i, w_i, k_i, q_pos, q_seg, k_pos, k_seg),
+                     (b3 + (None,), b3, b3, b2, b2, b2, b2), (b3, b3))
+
+  def attend(q_lat, q_rope, latent, k_rope, idx, valid, scale, qb):
+    fn = lambda *a: attn_ops.sparse_mqa_attention(*a, scale, qb)  # noqa: E731
+    b4, b3 = ("batch", None, None, None), ("batch", None, None)
+    return per_shard(fn, (q_lat, q_rope, latent, k_rope, idx, valid), (b4, b4, b3, b3, b3, b3),
+                     (b4, b3))
+
+  return topk, attend
 
 
 @flax.struct.dataclass
