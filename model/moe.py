@@ -222,19 +222,33 @@ def default_block(rows: int, num_experts: int) -> int:
   return int(min(128, max(8, 1 << (per_expert - 1).bit_length())))
 
 
-def _ragged_swiglu(x_td, order, group_sizes, kslots, w_gate, w_up, w_down, dtype):
-  """SwiGLU of sorted rows with lax.ragged_dot; returns [t*k, d] in assignment order."""
+def _sort_assignments(expert_idx_tk: jax.Array, num_experts: int):
+  """Assignments a = token * k + slot sorted by expert (stable): (flat ids, order, group sizes)."""
+  flat_e = expert_idx_tk.reshape(-1).astype(jnp.int32)
+  order = jnp.argsort(flat_e, stable=True).astype(jnp.int32)
+  group_sizes = jnp.bincount(flat_e, length=num_experts).astype(jnp.int32)
+  return flat_e, order, group_sizes
+
+
+def _grouped_swiglu(x_td, order, kslots, matmul, w_gate, w_up, w_down):
+  """SwiGLU of the rows sorted by expert with a grouped `matmul(rows, w)`; [t*k, d] in assignment order.
+
+  Rows of id e ("no expert") sort last, outside every group: grouped matmuls
+  (lax.ragged_dot, the MXFP4 kernel) give them zeros.
+  """
   rows = order.shape[0]
   xs = x_td[order // kslots]  # [rows, d], sorted by expert
+  h = jax.nn.silu(matmul(xs, w_gate)) * matmul(xs, w_up)
+  ys = matmul(h, w_down)
+  inverse = jnp.zeros((rows,), jnp.int32).at[order].set(jnp.arange(rows, dtype=jnp.int32))
+  return ys[inverse]
 
+
+def _ragged_dot(group_sizes, dtype):
   def rdot(a, w):
     return jax.lax.ragged_dot(a.astype(dtype), w.astype(dtype), group_sizes,
                               preferred_element_type=jnp.float32).astype(dtype)
-
-  h = jax.nn.silu(rdot(xs, w_gate)) * rdot(xs, w_up)
-  ys = rdot(h, w_down)
-  inverse = jnp.zeros((rows,), jnp.int32).at[order].set(jnp.arange(rows, dtype=jnp.int32))
-  return ys[inverse]
+  return rdot
 
 
 def _blocked_swiglu(x_td, order, sorted_e, group_sizes, kslots, w_gate, w_up, w_down, dtype, block):
@@ -289,11 +303,9 @@ def dropless_experts(x_td: jax.Array, expert_idx_tk: jax.Array, weights_tk: jax.
   impl = _resolve_impl(impl)
   t, kslots = expert_idx_tk.shape
   e = w_gate.shape[0]
-  flat_e = expert_idx_tk.reshape(-1).astype(jnp.int32)  # assignment a = token * k + slot
-  order = jnp.argsort(flat_e, stable=True).astype(jnp.int32)
-  group_sizes = jnp.bincount(flat_e, length=e).astype(jnp.int32)
+  flat_e, order, group_sizes = _sort_assignments(expert_idx_tk, e)
   if impl == "ragged_dot":
-    y = _ragged_swiglu(x_td, order, group_sizes, kslots, w_gate, w_up, w_down, dtype)
+    y = _grouped_swiglu(x_td, order, kslots, _ragged_dot(group_sizes, dtype), w_gate, w_up, w_down)
   else:
     block = default_block(t * kslots, e) if block is None else int(block)
     if block < 1:
@@ -335,20 +347,13 @@ def mxfp4_dropless_experts(x_td: jax.Array, expert_idx_tk: jax.Array, weights_tk
   from pallas_kernels.mxfp4.ops import mxfp4_ragged_matmul  # noqa: PLC0415
 
   t, kslots = expert_idx_tk.shape
-  e = gate.blocks.shape[0]
-  flat_e = expert_idx_tk.reshape(-1).astype(jnp.int32)
-  order = jnp.argsort(flat_e, stable=True).astype(jnp.int32)
-  group_sizes = jnp.bincount(flat_e, length=e).astype(jnp.int32)
-  xs = x_td[order // kslots].astype(dtype)
+  _, order, group_sizes = _sort_assignments(expert_idx_tk, gate.blocks.shape[0])
 
   def mm(a, w):
-    return mxfp4_ragged_matmul(a, w.blocks, w.scales, group_sizes).astype(dtype)
+    return mxfp4_ragged_matmul(a.astype(dtype), w.blocks, w.scales, group_sizes).astype(dtype)
 
-  h = jax.nn.silu(mm(xs, gate)) * mm(xs, up)
-  ys = mm(h, down)
-  # Rows of id e ("no expert") fall outside every group: the kernel leaves them 0.
-  inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32))
-  return einsum("tjd,tj->td", ys[inverse].reshape(t, kslots, -1), weights_tk, dtype)
+  y = _grouped_swiglu(x_td, order, kslots, mm, gate, up, down)
+  return einsum("tjd,tj->td", y.reshape(t, kslots, -1), weights_tk, dtype)
 
 
 # ---- module ----------------------------------------------------------------
