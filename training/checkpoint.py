@@ -129,35 +129,19 @@ def optimizer_tree(optimizer: nnx.Module) -> dict:
 
 
 def _apply(module: nnx.Module, tree: dict) -> None:
-  """Writes a (restored) pure dict back into `module`'s Variables, in place."""
-  state = nnx.state(module)
-  # Variables whose value is itself a dict (model.quant.MXFP4Weight: blocks + scales) are
-  # set whole; replace_by_pure_dict only walks down to Variables with array values.
-  for path, var in nnx.to_flat_state(state):
-    if isinstance(var.get_value(), Mapping):
-      node = tree
-      for key in path:
-        node = node[key] if key in node else node[str(key)]
-      var.set_value(dict(node))
-  plain = nnx.from_flat_state(
-      [(p, v) for p, v in nnx.to_flat_state(state) if not isinstance(v.get_value(), Mapping)])
-  nnx.replace_by_pure_dict(plain, _drop_dict_vars(tree, state))
-  nnx.update(module, state)
-  nnx.update(module, plain)
+  """Writes a (restored) pure dict back into `module`'s Variables, in place.
 
-
-def _drop_dict_vars(tree: dict, state: Any) -> dict:
-  """`tree` without the subtrees that belong to dict-valued Variables."""
-  skip = {tuple(str(k) for k in p) for p, v in nnx.to_flat_state(state)
-          if isinstance(v.get_value(), Mapping)}
-
-  def walk(node, prefix):
-    if not isinstance(node, Mapping):
-      return node
-    return {k: walk(v, prefix + (str(k),)) for k, v in node.items()
-            if prefix + (str(k),) not in skip}
-
-  return walk(tree, ())
+  Walks the model's Variables (not the dict's leaves), so a Variable whose
+  value is itself a dict (model.quant.MXFP4Weight: blocks + scales) is set
+  whole. The tree's structure was checked against the model on restore.
+  """
+  flat = []
+  for path, var in nnx.to_flat_state(nnx.state(module)):
+    node = tree
+    for key in path:
+      node = node[key] if key in node else node[str(key)]
+    flat.append((path, var.replace(dict(node) if isinstance(node, Mapping) else node)))
+  nnx.update(module, nnx.from_flat_state(flat))
 
 
 def _flat(tree: Any) -> dict[str, Any]:
