@@ -112,16 +112,12 @@ def _compile(graphdef: nnx.GraphDef) -> dict[str, Any]:
     logits, cache = model.prefill(tokens[:, None], valid.astype(jnp.int32), cache)
     return logits[:, 0], cache
 
-  def reset(state, cache, rows):
-    del state
-    return reset_cache_rows(cache, rows)
-
   def encode(state, images):
     return nnx.merge(graphdef, state).encode_images(images)
 
   return {"prefill": jax.jit(prefill, donate_argnums=(1,)),
           "decode": jax.jit(decode, donate_argnums=(1,)),
-          "reset": jax.jit(reset, donate_argnums=(1,)),
+          "reset": jax.jit(reset_cache_rows, donate_argnums=(0,)),
           "encode": jax.jit(encode),
           "sample": jax.jit(sample_rows)}
 
@@ -193,7 +189,11 @@ class Engine:
     return self
 
   def stop(self) -> None:
-    """Stops the loop; requests still waiting or running finish with 'cancelled'."""
+    """Stops the loop; requests still waiting or running finish with 'cancelled'.
+
+    `submit` refuses requests until the stop is complete (nothing would drive
+    them); afterwards the engine is idle and `generate` drives it again.
+    """
     with self._cond:
       self._stopping = True
       self._cond.notify_all()
@@ -206,6 +206,8 @@ class Engine:
       for i, s in enumerate(self._rows):
         if s is not None:
           self._finish(i, "cancelled")
+      with self._cond:
+        self._stopping = False
 
   def update_weights(self, model: Any | None = None) -> None:
     """Serve new weights (e.g. after an RL update) of the same architecture; no recompilation."""
@@ -245,6 +247,9 @@ class Engine:
       raise
     handle = Handle(self, request, loop)
     with self._cond:
+      if self._stopping:
+        self.metrics.requests.inc(status="overloaded")
+        raise OverloadedError("the engine is stopping; retry later.")
       if len(self._waiting) >= self.max_queue:
         self.metrics.requests.inc(status="overloaded")
         raise OverloadedError(f"the engine queue is full ({self.max_queue} waiting requests); retry "
@@ -278,6 +283,8 @@ class Engine:
       raise RequestError(f"top_p={p.top_p} must be in (0, 1].", "top_p")
     if not isinstance(p.top_k, int) or p.top_k < 0:
       raise RequestError(f"top_k={p.top_k!r} must be an int >= 0 (0 = off).", "top_k")
+    if p.seed is not None and not isinstance(p.seed, (int, np.integer)):
+      raise RequestError(f"seed={p.seed!r} must be an int (or None).", "seed")
     if any(not 0 <= t < self.vocab_size for t in p.stop_token_ids):
       raise RequestError(f"stop_token_ids must be ids in [0, {self.vocab_size}).", "stop_token_ids")
     self._validate_images(arr, request.images)
@@ -348,10 +355,10 @@ class Engine:
         pre = self._prefill()
         dec = self._decode()
         self._sample_and_emit(pre, dec)
-      except Exception as e:  # a failed device call: end every running request, keep serving
+      except Exception:  # a failed device call: end every running request, keep serving
         _log.exception("engine step failed; ending %d running requests with 'error'",
                        sum(s is not None for s in self._rows))
-        self._fail_all(e)
+        self._fail_all()
       finally:
         self._update_gauges()
       return True
@@ -396,7 +403,7 @@ class Engine:
       reset[i] = True
       self.metrics.prompt_tokens.inc(len(slot.prompt))
     if reset.any():
-      self._cache = self._fns["reset"](self._state, self._cache, jnp.asarray(reset))
+      self._cache = self._fns["reset"](self._cache, jnp.asarray(reset))
 
   def _encode_images(self, images: np.ndarray | None) -> np.ndarray | None:
     if images is None or len(images) == 0:
@@ -526,17 +533,18 @@ class Engine:
     elif s.processor is not None:
       try:
         deltas, reason = s.processor.feed(token)
+        deltas = list(deltas)
       except Exception:
         _log.exception("processor.feed failed for %s", s.handle.id)
-        reason = "error"
+        deltas, reason = [], "error"
     n = len(s.generated)
     if reason is None and (n >= s.params.max_tokens or len(s.prompt) + n >= self.max_context):
       reason = "length"
     if reason is None:
       s.pending = token
-      s.handle._deliver(Event([token], list(deltas), None, None, time.time(), [logprob]))
+      s.handle._deliver(Event([token], deltas, None, None, time.time(), [logprob]))
     else:
-      self._finish(i, reason, [token], list(deltas), [logprob])
+      self._finish(i, reason, [token], deltas, [logprob])
 
   def _finish(self, i: int, reason: str, token_ids: list[int] = (), deltas: list[Delta] = (),
               logprobs: list[float] = ()) -> None:
@@ -549,19 +557,19 @@ class Engine:
                      logprobs=()) -> None:
     proc = handle.request.processor
     tail: list[Delta] = []
-    if proc is not None:
+    thinking = 0
+    if proc is not None:  # a failing processor must not keep the final event from its request
       try:
         tail = list(proc.close(reason))
+        thinking = int(getattr(proc, "thinking_tokens", 0) or 0)
       except Exception:
         _log.exception("processor.close failed for %s", handle.id)
-    thinking = int(getattr(proc, "thinking_tokens", 0) or 0) if proc is not None else 0
     usage = Usage(len(handle.request.prompt_ids), n_generated, thinking)
     self.metrics.requests.inc(status=reason)
     handle._deliver(Event(list(token_ids), list(deltas) + tail, reason, usage, time.time(),
                           list(logprobs)))
 
-  def _fail_all(self, exc: Exception) -> None:
-    del exc
+  def _fail_all(self) -> None:
     for i, s in enumerate(self._rows):
       if s is not None:
         self._finish(i, "error")
@@ -593,10 +601,12 @@ def build_engine(config: Any, checkpoint: str | None = None) -> Engine:
   s = config.serving
   run = {}
   if checkpoint:
-    run = read_meta(checkpoint).get("config") or {}
-    # Fields added since the checkpoint was written come from config.model.
-    cfg = stored_model_config(checkpoint, config.model)
-    model = load_model(checkpoint, cfg)
+    meta = read_meta(checkpoint)
+    run = meta.get("config") or {}
+    # Fields added since the checkpoint was written come from config.model. One step throughout, so
+    # a trainer writing a newer checkpoint meanwhile cannot mix configs and weights.
+    cfg = stored_model_config(checkpoint, config.model, meta["step"])
+    model = load_model(checkpoint, cfg, step=meta["step"])
   else:
     cfg = ModelConfig.from_config(config.model)
     cfg.validate()

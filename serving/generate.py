@@ -26,7 +26,7 @@ import numpy as np
 from starlette.responses import StreamingResponse
 
 from serving.engine import OverloadedError, Request, RequestError
-from serving.output import OutputProcessor
+from serving.output import AUTO, OutputProcessor
 from serving.types import (
   Message,
   SamplingParams,
@@ -38,6 +38,9 @@ from serving.types import (
   ToolChoice,
   Usage,
 )
+
+# What `Engine.submit` raises for a request; the server maps them with `engine_error`.
+ENGINE_ERRORS: tuple[type[Exception], ...] = (RequestError, OverloadedError)
 
 
 class APIError(Exception):
@@ -61,21 +64,11 @@ class APIError(Exception):
     self.type = type
 
 
-def engine_error_types() -> tuple[type[Exception], ...]:
-  """Exceptions `Engine.submit` raises for a request (the server maps them with `engine_error`)."""
-  return (RequestError, OverloadedError)
-
-
 def engine_error(exc: Exception) -> APIError:
   """RequestError -> 400 naming its param; OverloadedError -> 429 (OpenAI) / 529 (Anthropic)."""
   if isinstance(exc, OverloadedError):
     return APIError(429, f"The server is overloaded: {exc}. Retry later.", code="overloaded")
   return APIError(400, str(getattr(exc, "message", None) or exc), param=getattr(exc, "param", None))
-
-
-def engine_alive(engine) -> bool:
-  """Whether the engine's loop thread is running (GET /health)."""
-  return bool(engine.running)
 
 
 @dataclasses.dataclass
@@ -88,8 +81,6 @@ class Result:
   usage: Usage
   stop_sequence: str | None
 
-
-AUTO = ToolChoice()
 
 # Effort mapping (issue 5, serving_spec.md): OpenAI reasoning_effort -> tier (None = thinking off).
 OPENAI_EFFORT_TIERS: dict[str, str | None] = {"none": None, "minimal": None, "low": "low",
@@ -215,11 +206,6 @@ async def collect_all(handles: Sequence[Any], request=None) -> list[Result]:
       h.cancel()  # no-op for finished ones
 
 
-async def collect(handle, request=None) -> Result:
-  """One generation's Result (see `collect_all`)."""
-  return (await collect_all([handle], request))[0]
-
-
 def final_reason(handle, reason: str) -> str:
   """The engine's finish reason, with 'stop' at end of turn after tool calls made 'tool_calls'.
 
@@ -241,16 +227,13 @@ async def stream_events(handle) -> AsyncIterator[Any]:
   this generator, or the task running it is cancelled). The final event's
   finish_reason goes through `final_reason`.
   """
-  finished = False
   try:
     async for event in handle.aevents():
-      finished = event.finish_reason is not None
-      if finished:
+      if event.finish_reason is not None:
         event = dataclasses.replace(event, finish_reason=final_reason(handle, event.finish_reason))
       yield event
   finally:
-    if not finished:
-      handle.cancel()
+    handle.cancel()  # a no-op once the final event was delivered
 
 
 async def merge_streams(handles: Sequence[Any]) -> AsyncIterator[tuple[int, Any]]:

@@ -26,7 +26,7 @@ class RequestError(ValueError):
   """A request the engine cannot run as given; `param` names the offending field.
 
   param values: 'prompt' (empty, too long, bad ids, image placeholders),
-  'max_tokens', 'images', 'temperature', 'top_p', 'top_k', 'stop_token_ids'.
+  'max_tokens', 'images', 'temperature', 'top_p', 'top_k', 'seed', 'stop_token_ids'.
   """
 
   def __init__(self, message: str, param: str | None = None):
@@ -109,32 +109,26 @@ class Handle:
     """
     if self._loop is not None:
       raise RuntimeError(f"handle {self.id} delivers to an asyncio loop; iterate aevents() instead.")
-    finished = False
     try:
       while True:
         ev = self._q.get(timeout=timeout)
         yield ev
         if ev.finish_reason is not None:
-          finished = True
           return
     finally:
-      if not finished:
-        self.cancel()
+      self.cancel()  # a no-op once the final event was delivered
 
   async def aevents(self) -> AsyncIterator[Event]:
     """Async iterator of events on the running loop. Leaving early (or being cancelled) cancels."""
     self._bind(asyncio.get_running_loop())
-    finished = False
     try:
       while True:
         ev = await self._aq.get()
         yield ev
         if ev.finish_reason is not None:
-          finished = True
           return
     finally:
-      if not finished:
-        self.cancel()
+      self.cancel()  # a no-op once the final event was delivered
 
   def _bind(self, loop: asyncio.AbstractEventLoop) -> None:
     with self._lock:

@@ -50,10 +50,11 @@ def sample_row(logits, temperature, top_k, top_p, mask, forced, seed_lo, seed_hi
   desc = jnp.sort(x)[::-1]
   k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
   x = jnp.where(x >= desc[k - 1], x, -jnp.inf)  # top-k (ties at the k-th value are kept)
-  p_desc = jnp.sort(jax.nn.softmax(x))[::-1]
+  p = jax.nn.softmax(x)
+  p_desc = jnp.sort(p)[::-1]
   before = jnp.cumsum(p_desc) - p_desc  # mass of strictly more probable tokens
   n_keep = jnp.where(top_p >= 1, vocab, jnp.maximum(jnp.sum(before < top_p), 1))
-  x = jnp.where(jax.nn.softmax(x) >= p_desc[n_keep - 1], x, -jnp.inf)  # top-p (nucleus)
+  x = jnp.where(p >= p_desc[n_keep - 1], x, -jnp.inf)  # top-p (nucleus)
   drawn = jax.random.categorical(request_key(seed_lo, seed_hi, n_generated), x)
   token = jnp.where(forced >= 0, forced, jnp.where(temperature > 0, drawn, greedy))
   return token.astype(jnp.int32), logprobs[token]

@@ -33,8 +33,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from model.config import ModelConfig
-from serving import generate, openai_api, signing
+from serving import anthropic_api, generate, openai_api, signing
 from serving.chat import ChatRenderer
 from serving.generate import APIError
 
@@ -144,7 +143,7 @@ def _install_error_handlers(app: fastapi.FastAPI) -> None:
   app.add_exception_handler(APIError, on_api_error)
   app.add_exception_handler(RequestValidationError, on_validation)
   app.add_exception_handler(StarletteHTTPException, on_http)
-  for exc_type in generate.engine_error_types():
+  for exc_type in generate.ENGINE_ERRORS:
     app.add_exception_handler(exc_type, on_engine_error)
   app.add_exception_handler(Exception, on_unhandled)
 
@@ -229,8 +228,7 @@ def _model_card(app_state) -> dict[str, Any]:
 def _add_operational_routes(app: fastapi.FastAPI) -> None:
   @app.get("/health")
   async def health() -> JSONResponse:
-    engine = app.state.engine
-    alive = generate.engine_alive(engine)
+    alive = app.state.engine.running
     return JSONResponse({"status": "ok" if alive else "engine stopped", "model": app.state.model_name},
                         status_code=200 if alive else 503)
 
@@ -250,12 +248,6 @@ def _add_operational_routes(app: fastapi.FastAPI) -> None:
       raise APIError(404, f"The model '{model_id}' does not exist; this server serves "
                      f"'{app.state.model_name}'.", param="model", code="model_not_found")
     return _model_card(app.state)
-
-
-def _model_cfg(engine, config):
-  """The served model's ModelConfig: the engine's (a checkpoint's config wins over config.model)."""
-  model_cfg = getattr(engine, "cfg", None)
-  return model_cfg if model_cfg is not None else ModelConfig.from_config(config.model)
 
 
 def _image_tokens(model_cfg) -> int:
@@ -280,7 +272,7 @@ def create_app(engine, tokenizer, config) -> fastapi.FastAPI:
   app.state.engine = engine
   app.state.tokenizer = tokenizer
   app.state.config = config
-  app.state.model_cfg = _model_cfg(engine, config)
+  app.state.model_cfg = engine.cfg  # a checkpoint's stored config, not config.model
   app.state.renderer = ChatRenderer(tokenizer, num_image_tokens=_image_tokens(app.state.model_cfg))
   app.state.signing_key = signing.signing_key(config.serving.signing_key)
   app.state.model_name = config.serving.model_name
@@ -288,12 +280,7 @@ def create_app(engine, tokenizer, config) -> fastapi.FastAPI:
   _install_error_handlers(app)
   _add_operational_routes(app)
   app.include_router(openai_api.router)
-  try:
-    from serving import anthropic_api
-  except ImportError as e:  # built by another module; the server works without it
-    _log.warning("Anthropic API not available (%s): /v1/messages is not served.", e)
-  else:
-    app.include_router(anthropic_api.router)
+  app.include_router(anthropic_api.router)
   app.add_middleware(_Guard, api_key=str(config.serving.api_key or ""),
                      max_body_bytes=int(config.serving.max_body_bytes))
   return app
