@@ -28,8 +28,6 @@ What is quantized (`config.model.quantization`):
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,7 +35,7 @@ from flax import nnx
 
 from pallas_kernels.mxfp4 import format as mx
 
-BLOCK = 32
+BLOCK = mx.BLOCK  # elements per E8M0 scale
 EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
 _KEEP_DENSE = frozenset({"embed", "head", "w_router", "conv_w"})
 _CONTRACTION_FIRST = frozenset({"expert", "heads", "vit_heads"})
@@ -95,8 +93,8 @@ def contraction_axis(name: str, shape: tuple[int, ...], axes: tuple) -> int:
                    "model dims (config.model.*) to multiples of 32.")
 
 
-def _targets(model: nnx.Module, what: str) -> list[tuple[nnx.Module, str, str]]:
-  """(module, attribute, path) of every weight `what` selects."""
+def _targets(model: nnx.Module, what: str) -> list[tuple[nnx.Module, str, str, bool]]:
+  """(module, attribute, path, is a routed expert weight) of every weight `what` selects."""
   from model.moe import MoE  # noqa: PLC0415 - model.moe imports this module
 
   if what not in ("experts", "all-linear"):
@@ -111,7 +109,7 @@ def _targets(model: nnx.Module, what: str) -> list[tuple[nnx.Module, str, str]]:
       is_expert = isinstance(module, MoE) and name in EXPERT_WEIGHTS
       dense_linear = (what == "all-linear" and name not in _KEEP_DENSE and var.ndim >= 2)
       if is_expert or dense_linear:
-        out.append((module, name, "/".join(str(p) for p in (*path, name))))
+        out.append((module, name, "/".join(str(p) for p in (*path, name)), is_expert))
   return out
 
 
@@ -141,13 +139,9 @@ def quantize_model(model: nnx.Module, what: str, mode: str = "floor") -> list[st
   Works on real and abstract (`nnx.eval_shape`) models alike. Returns the
   paths of the quantized weights.
   """
-  from model.moe import MoE  # noqa: PLC0415
-
   done = []
-  for module, name, path in _targets(model, what):
-    var = getattr(module, name)
-    setattr(module, name, _quantize_variable(var, path, isinstance(module, MoE) and
-                                             name in EXPERT_WEIGHTS, mode))
+  for module, name, path, expert in _targets(model, what):
+    setattr(module, name, _quantize_variable(getattr(module, name), path, expert, mode))
     done.append(path)
   return done
 
@@ -162,7 +156,3 @@ def quantized_bytes(model: nnx.Module) -> dict[str, int]:
       v = var.get_value()
       other += int(np.prod(v.shape)) * jnp.dtype(v.dtype).itemsize
   return {"mxfp4": q, "other": other}
-
-
-def is_quantized(var: Any) -> bool:
-  return isinstance(var, MXFP4Weight)

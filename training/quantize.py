@@ -34,15 +34,17 @@ def convert(src: str, dst: str, what: str = "experts", mode: str = "floor",
     raise CheckpointError(f"--checkpoint={src} does not exist.")
   _check_out(out)
   meta = read_meta(src_path, step)
-  config = meta.get("config") or (fallback_config.to_dict() if fallback_config else None)
-  if config is None:
+  config = meta.get("config")
+  if config:
+    # Current defaults for fields newer than the checkpoint; the stored values override them.
+    variant = config.get("variant") if config.get("variant") in horizon.VARIANTS else "tiny"
+    fallback = horizon.get_config(variant).model
+  elif fallback_config:
+    config = fallback_config.to_dict()
+    fallback = config["model"]
+  else:
     raise CheckpointError(f"checkpoint {src} stores no config; pass --config=configs/horizon.py:"
                           "<variant> matching it.")
-  # Current defaults for fields newer than the checkpoint; the stored values override them.
-  variant = config.get("variant") if config.get("variant") in horizon.VARIANTS else "tiny"
-  fallback = horizon.get_config(variant).model
-  if not meta.get("config"):
-    fallback = config["model"]
   cfg = stored_model_config(src_path, fallback, meta["step"])
   if cfg.quantization != "none":
     raise CheckpointError(f"checkpoint {src} is already quantized (model.quantization="

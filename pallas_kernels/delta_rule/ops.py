@@ -39,6 +39,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from model.attention.delta_rule import _check_inputs as check_reference_inputs
+from model.attention.delta_rule import _initial as initial_or_zeros
+from pallas_kernels.common import next_pow2, resolve_interpret
 from pallas_kernels.delta_rule import kernel
 
 _FN = "pallas chunk_gated_delta_rule"
@@ -100,12 +102,11 @@ def _check_inputs(q, k, v, g, beta, initial_state, reset) -> None:
 
 
 def _resolve_interpret(interpret) -> bool:
-  if interpret is None:
-    return jax.default_backend() == "cpu"
-  if not isinstance(interpret, bool):
+  """As the other kernels, but no pltpu.InterpretParams: the TPU body is never interpreted here."""
+  if interpret is not None and not isinstance(interpret, bool):
     raise ValueError(f"{_FN}: interpret={interpret!r} must be None (interpret on CPU only), True "
                      "or False.")
-  return interpret
+  return resolve_interpret(interpret)
 
 
 def _time_block(block: BlockSizes, interpret: bool, n: int, c: int) -> int:
@@ -121,10 +122,6 @@ def _time_block(block: BlockSizes, interpret: bool, n: int, c: int) -> int:
   return math.ceil(n / blocks) * c
 
 
-def _pow2(d: int) -> int:
-  return max(16, 1 << (d - 1).bit_length())
-
-
 def _pad_last(x, *sizes):
   """Zero-pads the trailing len(sizes) dims of x up to `sizes`."""
   widths = [(0, 0)] * (x.ndim - len(sizes)) + [(0, s - d) for s, d in zip(sizes, x.shape[-len(sizes):],
@@ -133,12 +130,13 @@ def _pad_last(x, *sizes):
 
 
 def _layout(plan: _Plan, backend: str, tp: int, kd: int, vd: int):
-  """The kernel Layout and the (possibly padded) head dims for one backend."""
+  """The kernel Layout and the head dims for one backend, padded to powers of two (>= 16) on Triton."""
   if backend == "triton":
-    return kernel.Layout(plan.chunk, tp, "triton", plan.num_warps, plan.num_stages), _pow2(kd), _pow2(vd)
-  layout = kernel.Layout(plan.chunk, plan.time_block, backend)
-  if plan.pad_head_dims:
-    return layout, _pow2(kd), _pow2(vd)
+    layout = kernel.Layout(plan.chunk, tp, "triton", plan.num_warps, plan.num_stages)
+  else:
+    layout = kernel.Layout(plan.chunk, plan.time_block, backend)
+  if backend == "triton" or plan.pad_head_dims:
+    return layout, next_pow2(kd, 16), next_pow2(vd, 16)
   return layout, kd, vd
 
 
@@ -241,8 +239,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, reset=None, chu
   resets = jnp.zeros((b, t), bool) if reset is None else reset.astype(bool)
   resets = jnp.pad(resets, ((0, 0), (0, tp - t))).reshape(b, n, 1, c)
   seg = jnp.cumsum(resets.astype(jnp.int32), axis=-1).astype(jnp.float32)
-  s0 = (jnp.zeros((b, h, kd, vd), jnp.float32) if initial_state is None
-        else initial_state.astype(jnp.float32))
+  s0 = initial_or_zeros(initial_state, b, h, kd, vd, jnp.float32)
   o, final = _delta(plan, _kernel_layout(q, tp), _kernel_layout(k, tp), _kernel_layout(v, tp),
                     g_cum, rows[..., 1], seg, s0)
   return jnp.swapaxes(o[:, :, :t], 1, 2).astype(v.dtype), final

@@ -29,24 +29,14 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
+from model.attention.sparse import _check_topk_args, _needed_blocks
+from model.attention.sparse import _pad_axis1 as _pad1
+from pallas_kernels.common import is_pow2 as _pow2
 from pallas_kernels.common import need as _need
+from pallas_kernels.common import next_pow2 as _next_pow2
 from pallas_kernels.common import resolve_backend, resolve_interpret
+from pallas_kernels.common import round_up as _round_up
 from pallas_kernels.indexer_topk import kernel
-
-_INT_MAX = jnp.iinfo(jnp.int32).max
-_INT_MIN = jnp.iinfo(jnp.int32).min
-
-
-def _pow2(x) -> bool:
-  return isinstance(x, int) and x > 0 and x & (x - 1) == 0
-
-
-def _round_up(x: int, m: int) -> int:
-  return -(-x // m) * m
-
-
-def _next_pow2(x: int, floor: int = 1) -> int:
-  return max(floor, 1 << max(0, x - 1).bit_length())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,22 +69,11 @@ class BlockSizes:
 
 
 def _check_args(q_idx, w_idx, k_idx, q_pos, q_seg, k_pos, k_seg, topk, query_block, key_block):
-  fn = "pallas blockwise_topk"
-  _need(q_idx.ndim == 4, f"{fn}: q_idx must be [b, t, heads, dim], got shape {q_idx.shape}.")
+  """The XLA path's checks (same signature, same messages), plus at least one indexer head."""
+  _check_topk_args(q_idx, w_idx, k_idx, q_pos, q_seg, k_pos, k_seg, topk, query_block, key_block)
   b, t, h, d = q_idx.shape
-  _need(b > 0 and t > 0 and h > 0 and k_idx.ndim == 3 and k_idx.shape[1] > 0,
-        f"{fn}: need at least one query, head and key, got q_idx {q_idx.shape}, k_idx {k_idx.shape}.")
-  _need(w_idx.shape == (b, t, h), f"{fn}: w_idx must be [b, t, heads]={(b, t, h)}, got {w_idx.shape}.")
-  _need(k_idx.shape[0] == b and k_idx.shape[2] == d,
-        f"{fn}: k_idx must be [b={b}, s, dim={d}], got {k_idx.shape}.")
-  s = k_idx.shape[1]
-  for name, arr, want in (("q_pos", q_pos, (b, t)), ("q_seg", q_seg, (b, t)),
-                          ("k_pos", k_pos, (b, s)), ("k_seg", k_seg, (b, s))):
-    _need(arr.shape == want, f"{fn}: {name} must have shape {want}, got {arr.shape}.")
-    _need(jnp.issubdtype(arr.dtype, jnp.integer), f"{fn}: {name} must be an integer array, got {arr.dtype}.")
-  for name, val in (("topk", topk), ("query_block", query_block), ("key_block", key_block)):
-    _need(isinstance(val, int) and val > 0, f"{fn}: {name}={val!r} must be a positive int.")
-  return b, t, h, d, s
+  _need(h > 0, f"pallas blockwise_topk: need at least one indexer head, got q_idx {q_idx.shape}.")
+  return b, t, h, d, k_idx.shape[1]
 
 
 def _geometry(dims, topk: int, key_block: int, block: BlockSizes, backend: str, interpret):
@@ -108,8 +87,7 @@ def _geometry(dims, topk: int, key_block: int, block: BlockSizes, backend: str, 
     m, bq, dp = max(m, 16), min(block.block_q, _next_pow2(t)), _next_pow2(d, 16)
   else:
     bq, dp = min(block.block_q, t), d
-  kb = block.block_k if block.block_k is not None else _round_up(min(key_block, s), m)
-  kb = _round_up(kb, m)
+  kb = _round_up(block.block_k or min(key_block, s), m)  # Triton may have raised m past chunk
   tp, sp = _round_up(t, bq), _round_up(s, kb)
   if backend == "tpu":
     _need(bq % 8 == 0 or tp == bq, f"{fn}: on TPU block_q={bq} must be a multiple of 8 (or cover all "
@@ -119,35 +97,13 @@ def _geometry(dims, topk: int, key_block: int, block: BlockSizes, backend: str, 
                          block_q=bq, block_k=kb, chunk=m, backend=backend, interpret=interpret)
 
 
-def _pad1(x, size: int, value):
-  """Pads axis 1 up to `size`."""
-  widths = [(0, 0)] * x.ndim
-  widths[1] = (0, size - x.shape[1])
-  return jnp.pad(x, widths, constant_values=value)
-
-
-def _block_stats(pos, seg, block: int):
-  """Per block (over the batch too): min/max position and segment of live (seg >= 0) entries."""
-  live = seg >= 0
-
-  def red(x, fill, fn):
-    x = jnp.where(live, x, fill).reshape(x.shape[0], -1, block)
-    return fn(fn(x, axis=2), axis=0)
-
-  return (red(pos, _INT_MAX, jnp.min), red(pos, _INT_MIN, jnp.max),
-          red(seg, _INT_MAX, jnp.min), red(seg, _INT_MIN, jnp.max))
-
-
 def tile_bounds(q_pos, q_seg, k_pos, k_seg, block_q: int, block_k: int) -> jax.Array:
   """[n_q_tiles, 2] int32 [lo, hi) key-block range per query tile that may hold an allowed key.
 
   Conservative (block-level min/max of positions and segments, as the XLA
   path); the exact mask is applied inside the kernel. Padded arrays in.
   """
-  _, qpos_max, qseg_min, qseg_max = _block_stats(q_pos, q_seg, block_q)
-  kpos_min, _, kseg_min, kseg_max = _block_stats(k_pos, k_seg, block_k)
-  needed = ((kpos_min[None, :] <= qpos_max[:, None]) & (kseg_min[None, :] <= qseg_max[:, None])
-            & (kseg_max[None, :] >= qseg_min[:, None]))
+  needed = _needed_blocks(q_pos, q_seg, k_pos, k_seg, block_q, block_k)  # [nq, nk]
   nk = needed.shape[1]
   some = jnp.any(needed, axis=1)
   lo = jnp.where(some, jnp.argmax(needed, axis=1), 0)

@@ -200,110 +200,87 @@ def _rows_inside(bounds_ref, tile, g, bm):
   return jnp.logical_and(rows >= bounds_ref[g], rows < bounds_ref[g + 1])
 
 
-def _tpu_fwd_kernel(tile_ref, group_ref, bounds_ref, x_ref, c_ref, s_ref, o_ref, acc_ref, *,
-                    t: Static):
-  v, k = pl.program_id(1), pl.program_id(2)
+def _tpu_kernel(tile_ref, group_ref, bounds_ref, in_ref, c_ref, s_ref, out_ref, acc_ref, *,
+                t: Static, tile_update):
+  """One (visit, step) of the 'tpu' grid: zero the tile's accumulator on its first visit,
+  add `tile_update` for a visit that has a group, write the tile on its last visit.
+
+  The third grid axis (`step`) is the contraction: K tiles forward, N tiles backward.
+  """
+  v, step = pl.program_id(1), pl.program_id(2)
   g = group_ref[v]
   first, last = _visit_flags(tile_ref, v)
 
-  @pl.when(jnp.logical_and(first, k == 0))
+  @pl.when(jnp.logical_and(first, step == 0))
   def _init():
     acc_ref[...] = jnp.zeros_like(acc_ref)
 
   @pl.when(g < t.groups)
   def _accumulate():
     lo, hi = _dequant_t(c_ref[...], s_ref[...], t.dtype)  # [bk2, bn]
-    xe, xo = x_ref[0].astype(t.dtype), x_ref[1].astype(t.dtype)  # [bm, bk2]
-    if t.k2 % t.bk2:  # the last K tile overhangs: zero both operands there
-      col = k * t.bk2 + jax.lax.broadcasted_iota(jnp.int32, (1, t.bk2), 1)
-      xe, xo = jnp.where(col < t.k2, xe, 0), jnp.where(col < t.k2, xo, 0)
-      row = k * t.bk2 + jax.lax.broadcasted_iota(jnp.int32, (t.bk2, 1), 0)
-      lo, hi = jnp.where(row < t.k2, lo, 0), jnp.where(row < t.k2, hi, 0)
-    part = _mm(xe, lo, t) + _mm(xo, hi, t)
-    acc_ref[...] += jnp.where(_rows_inside(bounds_ref, tile_ref[v], g, t.bm), part, 0.0)
+    tile_update(in_ref, lo, hi, step, _rows_inside(bounds_ref, tile_ref[v], g, t.bm), acc_ref, t)
 
-  @pl.when(jnp.logical_and(last, k == pl.num_programs(2) - 1))
+  @pl.when(jnp.logical_and(last, step == pl.num_programs(2) - 1))
   def _store():
-    o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+    out_ref[...] = acc_ref[...].astype(out_ref.dtype)
 
 
-def _tpu_bwd_kernel(tile_ref, group_ref, bounds_ref, dy_ref, c_ref, s_ref, dx_ref, acc_ref, *,
-                    t: Static):
-  v, n = pl.program_id(1), pl.program_id(2)
-  g = group_ref[v]
-  first, last = _visit_flags(tile_ref, v)
-
-  @pl.when(jnp.logical_and(first, n == 0))
-  def _init():
-    acc_ref[...] = jnp.zeros_like(acc_ref)
-
-  @pl.when(g < t.groups)
-  def _accumulate():
-    lo, hi = _dequant_t(c_ref[...], s_ref[...], t.dtype)  # [bk2, bn]
-    dy = dy_ref[...].astype(t.dtype)  # [bm, bn]
-    if t.n % t.bn:  # the last N tile overhangs the contraction
-      col = n * t.bn + jax.lax.broadcasted_iota(jnp.int32, (1, t.bn), 1)
-      dy = jnp.where(col < t.n, dy, 0)
-      lo, hi = jnp.where(col < t.n, lo, 0), jnp.where(col < t.n, hi, 0)
-    inside = _rows_inside(bounds_ref, tile_ref[v], g, t.bm)
-    acc_ref[0] += jnp.where(inside, _mm_nt(dy, lo, t), 0.0)
-    acc_ref[1] += jnp.where(inside, _mm_nt(dy, hi, t), 0.0)
-
-  @pl.when(jnp.logical_and(last, n == pl.num_programs(2) - 1))
-  def _store():
-    dx_ref[...] = acc_ref[...].astype(dx_ref.dtype)
+def _fwd_tile(x_ref, lo, hi, k, inside, acc_ref, t: Static):
+  """acc [bm, bn] += x_even lo + x_odd hi over K tile k."""
+  xe, xo = x_ref[0].astype(t.dtype), x_ref[1].astype(t.dtype)  # [bm, bk2]
+  if t.k2 % t.bk2:  # the last K tile overhangs: zero both operands there
+    col = k * t.bk2 + jax.lax.broadcasted_iota(jnp.int32, (1, t.bk2), 1)
+    xe, xo = jnp.where(col < t.k2, xe, 0), jnp.where(col < t.k2, xo, 0)
+    row = k * t.bk2 + jax.lax.broadcasted_iota(jnp.int32, (t.bk2, 1), 0)
+    lo, hi = jnp.where(row < t.k2, lo, 0), jnp.where(row < t.k2, hi, 0)
+  acc_ref[...] += jnp.where(inside, _mm(xe, lo, t) + _mm(xo, hi, t), 0.0)
 
 
-def _tpu_params():
-  return pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary"))
+def _bwd_tile(dy_ref, lo, hi, n, inside, acc_ref, t: Static):
+  """acc [2, bm, bk2] += (dy lo^T, dy hi^T) over N tile n."""
+  dy = dy_ref[...].astype(t.dtype)  # [bm, bn]
+  if t.n % t.bn:  # the last N tile overhangs the contraction
+    col = n * t.bn + jax.lax.broadcasted_iota(jnp.int32, (1, t.bn), 1)
+    dy = jnp.where(col < t.n, dy, 0)
+    lo, hi = jnp.where(col < t.n, lo, 0), jnp.where(col < t.n, hi, 0)
+  acc_ref[0] += jnp.where(inside, _mm_nt(dy, lo, t), 0.0)
+  acc_ref[1] += jnp.where(inside, _mm_nt(dy, hi, t), 0.0)
 
 
-def _tpu_forward(xp, codes, scales_t, group_sizes, t: Static, interpret: bool):
+def _tpu_call(operand, codes, scales_t, group_sizes, t: Static, interpret: bool, backward: bool):
+  """The 'tpu' pallas_call: grid (n, visit, k) forward, (k, visit, n) backward.
+
+  Forward: operand xp [2, M, K/2] -> y [M, N]; backward: dy [M, N] -> dxp [2, M, K/2].
+  """
   tiles, groups, count = tpu_visits(group_sizes, t.m, t.bm)
   last_g = t.groups - 1
-  grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=3,
-      grid=(t.n_steps, count, t.k_steps),
-      in_specs=[
-          pl.BlockSpec((2, t.bm, t.bk2), lambda j, v, k, tl, gr, b: (0, tl[v], k)),
-          pl.BlockSpec((pl.squeezed, t.bn, t.bk2),
-                       lambda j, v, k, tl, gr, b: (jnp.minimum(gr[v], last_g), j, k)),
-          pl.BlockSpec((pl.squeezed, t.nkb, t.bn),
-                       lambda j, v, k, tl, gr, b: (jnp.minimum(gr[v], last_g), k, j)),
-      ],
-      out_specs=pl.BlockSpec((t.bm, t.bn), lambda j, v, k, tl, gr, b: (tl[v], j)),
-      scratch_shapes=[pltpu.VMEM((t.bm, t.bn), jnp.float32)],
-  )
-  return pl.pallas_call(
-      functools.partial(_tpu_fwd_kernel, t=t), grid_spec=grid_spec,
-      out_shape=jax.ShapeDtypeStruct((t.m, t.n), t.out_dtype),
-      compiler_params=None if interpret else _tpu_params(), interpret=interpret,
-      name="mxfp4_ragged_fwd",
-  )(tiles, groups, group_bounds(group_sizes, t.m), xp, codes, scales_t)
 
+  def spec(shape, index):
+    """BlockSpec whose index map sees (n tile, k tile, m tile, weight group) of the visit."""
+    def index_map(outer, v, step, tl, gr, _):
+      n, k = (step, outer) if backward else (outer, step)
+      return index(n, k, tl[v], jnp.minimum(gr[v], last_g))
+    return pl.BlockSpec(shape, index_map)
 
-def _tpu_backward(dy, codes, scales_t, group_sizes, t: Static, interpret: bool):
-  tiles, groups, count = tpu_visits(group_sizes, t.m, t.bm)
-  last_g = t.groups - 1
+  halves = spec((2, t.bm, t.bk2), lambda n, k, tile, g: (0, tile, k))  # xp / dxp
+  rows = spec((t.bm, t.bn), lambda n, k, tile, g: (tile, n))  # y / dy
+  weights = [spec((pl.squeezed, t.bn, t.bk2), lambda n, k, tile, g: (g, n, k)),
+             spec((pl.squeezed, t.nkb, t.bn), lambda n, k, tile, g: (g, k, n))]
+  if backward:
+    grid, in_spec, out_spec = (t.k_steps, count, t.n_steps), rows, halves
+    out_shape, tile_update, name = (2, t.m, t.k2), _bwd_tile, "mxfp4_ragged_bwd"
+  else:
+    grid, in_spec, out_spec = (t.n_steps, count, t.k_steps), halves, rows
+    out_shape, tile_update, name = (t.m, t.n), _fwd_tile, "mxfp4_ragged_fwd"
   grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=3,
-      grid=(t.k_steps, count, t.n_steps),
-      in_specs=[
-          pl.BlockSpec((t.bm, t.bn), lambda k, v, n, tl, gr, b: (tl[v], n)),
-          pl.BlockSpec((pl.squeezed, t.bn, t.bk2),
-                       lambda k, v, n, tl, gr, b: (jnp.minimum(gr[v], last_g), n, k)),
-          pl.BlockSpec((pl.squeezed, t.nkb, t.bn),
-                       lambda k, v, n, tl, gr, b: (jnp.minimum(gr[v], last_g), k, n)),
-      ],
-      out_specs=pl.BlockSpec((2, t.bm, t.bk2), lambda k, v, n, tl, gr, b: (0, tl[v], k)),
-      scratch_shapes=[pltpu.VMEM((2, t.bm, t.bk2), jnp.float32)],
-  )
+      num_scalar_prefetch=3, grid=grid, in_specs=[in_spec, *weights], out_specs=out_spec,
+      scratch_shapes=[pltpu.VMEM(out_spec.block_shape, jnp.float32)])
+  params = pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary"))
   return pl.pallas_call(
-      functools.partial(_tpu_bwd_kernel, t=t), grid_spec=grid_spec,
-      out_shape=jax.ShapeDtypeStruct((2, t.m, t.k2), t.out_dtype),
-      compiler_params=None if interpret else _tpu_params(), interpret=interpret,
-      name="mxfp4_ragged_bwd",
-  )(tiles, groups, group_bounds(group_sizes, t.m), dy, codes, scales_t)
+      functools.partial(_tpu_kernel, t=t, tile_update=tile_update), grid_spec=grid_spec,
+      out_shape=jax.ShapeDtypeStruct(out_shape, t.out_dtype),
+      compiler_params=None if interpret else params, interpret=interpret, name=name,
+  )(tiles, groups, group_bounds(group_sizes, t.m), operand, codes, scales_t)
 
 
 # ---- 'gpu' strategy: per-program loops over groups and the contraction -----------
@@ -375,30 +352,21 @@ def _gpu_bwd_kernel(glo_ref, ghi_ref, bounds_ref, dy_ref, c_ref, s_ref, dx_ref, 
   plgpu.store(dx_ref.at[(jnp.int32(1), *window)], acc_o.astype(dx_ref.dtype), mask=mask)
 
 
-def _gpu_params():
-  return plgpu.CompilerParams(num_warps=4, num_stages=2)
+def _gpu_call(operand, codes, scales, group_sizes, t: Static, interpret: bool, backward: bool):
+  """The 'gpu' pallas_call: grid (m tile, n tile) forward, (m tile, k tile) backward.
 
-
-def _gpu_call(kernel, grid, out_shape, args, interpret: bool, name: str):
-  return pl.pallas_call(kernel, grid=grid, out_shape=out_shape,
-                        compiler_params=None if interpret else _gpu_params(),
-                        interpret=interpret, name=name)(*args)
-
-
-def _gpu_forward(xp, codes, scales, group_sizes, t: Static, interpret: bool):
+  Forward: operand xp [2, M, K/2] -> y [M, N]; backward: dy [M, N] -> dxp [2, M, K/2].
+  """
   g_lo, g_hi = gpu_group_ranges(group_sizes, t.m, t.bm)
-  return _gpu_call(functools.partial(_gpu_fwd_kernel, t=t), (t.m_tiles, t.n_steps),
-                   jax.ShapeDtypeStruct((t.m, t.n), t.out_dtype),
-                   (g_lo, g_hi, group_bounds(group_sizes, t.m), xp, codes, scales), interpret,
-                   "mxfp4_ragged_fwd")
-
-
-def _gpu_backward(dy, codes, scales, group_sizes, t: Static, interpret: bool):
-  g_lo, g_hi = gpu_group_ranges(group_sizes, t.m, t.bm)
-  return _gpu_call(functools.partial(_gpu_bwd_kernel, t=t), (t.m_tiles, t.k_steps),
-                   jax.ShapeDtypeStruct((2, t.m, t.k2), t.out_dtype),
-                   (g_lo, g_hi, group_bounds(group_sizes, t.m), dy, codes, scales), interpret,
-                   "mxfp4_ragged_bwd")
+  if backward:
+    body, grid, out_shape = _gpu_bwd_kernel, (t.m_tiles, t.k_steps), (2, t.m, t.k2)
+  else:
+    body, grid, out_shape = _gpu_fwd_kernel, (t.m_tiles, t.n_steps), (t.m, t.n)
+  return pl.pallas_call(
+      functools.partial(body, t=t), grid=grid, out_shape=jax.ShapeDtypeStruct(out_shape, t.out_dtype),
+      compiler_params=None if interpret else plgpu.CompilerParams(num_warps=4, num_stages=2),
+      interpret=interpret, name="mxfp4_ragged_bwd" if backward else "mxfp4_ragged_fwd",
+  )(g_lo, g_hi, group_bounds(group_sizes, t.m), operand, codes, scales)
 
 
 # ---- entry points used by ops.py --------------------------------------------------
@@ -413,20 +381,23 @@ def _weights_for(backend: str, blocks: jax.Array, scales: jax.Array):
   return codes, scales
 
 
+def _ragged_call(operand, blocks, scales, group_sizes, t: Static, backend: str, interpret: bool,
+                 backward: bool) -> jax.Array:
+  codes, scales = _weights_for(backend, blocks, scales)
+  impl = _tpu_call if backend == "tpu" else _gpu_call
+  return impl(operand, codes, scales, group_sizes, t, interpret, backward)
+
+
 def ragged_forward(xp: jax.Array, blocks: jax.Array, scales: jax.Array, group_sizes: jax.Array,
                    t: Static, backend: str, interpret: bool) -> jax.Array:
   """xp [2, M, K/2] (x_even, x_odd) -> [M, N] in t.out_dtype."""
-  codes, scales = _weights_for(backend, blocks, scales)
-  impl = _tpu_forward if backend == "tpu" else _gpu_forward
-  return impl(xp, codes, scales, group_sizes, t, interpret)
+  return _ragged_call(xp, blocks, scales, group_sizes, t, backend, interpret, backward=False)
 
 
 def ragged_backward(dy: jax.Array, blocks: jax.Array, scales: jax.Array, group_sizes: jax.Array,
                     t: Static, backend: str, interpret: bool) -> jax.Array:
   """dy [M, N] -> d(xp) [2, M, K/2] in t.out_dtype (here: x's dtype)."""
-  codes, scales = _weights_for(backend, blocks, scales)
-  impl = _tpu_backward if backend == "tpu" else _gpu_backward
-  return impl(dy, codes, scales, group_sizes, t, interpret)
+  return _ragged_call(dy, blocks, scales, group_sizes, t, backend, interpret, backward=True)
 
 
 def split_parity(x2: jax.Array) -> jax.Array:

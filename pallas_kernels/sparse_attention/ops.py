@@ -35,23 +35,15 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
+from model.attention.sparse import _check_mqa_args
+from pallas_kernels.common import is_pow2 as _pow2
 from pallas_kernels.common import need as _need
+from pallas_kernels.common import next_pow2 as _next_pow2
 from pallas_kernels.common import resolve_backend, resolve_interpret
+from pallas_kernels.common import round_up as _round_up
 from pallas_kernels.sparse_attention import kernel
 
 _F32 = jnp.float32
-
-
-def _pow2(x: int) -> bool:
-  return x > 0 and x & (x - 1) == 0
-
-
-def _round_up(x: int, m: int) -> int:
-  return -(-x // m) * m
-
-
-def _next_pow2(x: int, floor: int = 1) -> int:
-  return max(floor, 1 << max(0, x - 1).bit_length())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,9 +64,9 @@ class BlockSizes:
   def __post_init__(self):
     for name in ("block_q", "block_k"):
       val = getattr(self, name)
-      if not isinstance(val, int) or not _pow2(val):
+      if not _pow2(val):
         raise ValueError(f"BlockSizes.{name}={val!r} must be a positive power of two.")
-    if self.block_h is not None and (not isinstance(self.block_h, int) or not _pow2(self.block_h)):
+    if self.block_h is not None and not _pow2(self.block_h):
       raise ValueError(f"BlockSizes.block_h={self.block_h!r} must be None (all heads) or a power of two.")
 
   @classmethod
@@ -90,16 +82,11 @@ class BlockSizes:
 
 def _check_args(q_lat, q_rope, latent, k_rope, idx, valid, scale, query_block):
   fn = "pallas sparse_mqa_attention"
-  _need(q_lat.ndim == 4 and 0 not in q_lat.shape,
-        f"{fn}: q_lat must be a non-empty [b, t, heads, latent], got shape {q_lat.shape}.")
-  b, t, h, c = q_lat.shape
-  _need(q_rope.ndim == 4 and q_rope.shape[:3] == (b, t, h),
-        f"{fn}: q_rope must be [b={b}, t={t}, heads={h}, rope], got {q_rope.shape}.")
-  _need(latent.ndim == 3 and latent.shape[0] == b and latent.shape[2] == c and latent.shape[1] > 0,
-        f"{fn}: latent must be [b={b}, s >= 1, latent={c}], got {latent.shape}.")
-  s = latent.shape[1]
-  _need(k_rope.shape == (b, s, q_rope.shape[3]),
-        f"{fn}: k_rope must be [b, s, rope]={(b, s, q_rope.shape[3])}, got {k_rope.shape}.")
+  b, t, h, s = _check_mqa_args(fn, q_lat, q_rope, latent, k_rope)  # the XLA path's shape checks
+  c = q_lat.shape[3]
+  _need(0 not in q_lat.shape and s > 0,
+        f"{fn}: need non-empty q_lat and latent (at least one query, head and key), got "
+        f"{q_lat.shape} and {latent.shape}.")
   _need(idx.ndim == 3 and idx.shape[:2] == (b, t) and valid.shape == idx.shape and idx.shape[2] > 0,
         f"{fn}: idx and valid must both be [b={b}, t={t}, topk >= 1], got {idx.shape} and {valid.shape}.")
   _need(jnp.issubdtype(idx.dtype, jnp.integer), f"{fn}: idx must be an integer array, got {idx.dtype}.")
