@@ -43,7 +43,7 @@ from model.layers import einsum
 _SUBSTITUTION_BLOCK = 16
 
 
-def _check_inputs(fn: str, q, k, v, g, beta, initial_state, reset) -> None:
+def check_inputs(fn: str, q, k, v, g, beta, initial_state, reset) -> None:
   """Raises a ValueError naming the offending argument and the expected shape."""
   if q.ndim != 4:
     raise ValueError(f"{fn}: q must be [b, t, h, kd]; got shape {q.shape}.")
@@ -63,7 +63,7 @@ def _check_inputs(fn: str, q, k, v, g, beta, initial_state, reset) -> None:
     raise ValueError(f"{fn}: reset has shape {reset.shape}; expected [b, t] = {(b, t)} (or None).")
 
 
-def _initial(initial_state, b, h, kd, vd, dt):
+def initial_state_or_zeros(initial_state, b, h, kd, vd, dt):
   if initial_state is None:
     return jnp.zeros((b, h, kd, vd), dt)
   return initial_state.astype(dt)
@@ -83,11 +83,11 @@ def naive_gated_delta_rule(q, k, v, g, beta, initial_state=None, reset=None):
   Returns:
     o [b, t, h, vd] in v's dtype, final state [b, h, kd, vd] in float32.
   """
-  _check_inputs("naive_gated_delta_rule", q, k, v, g, beta, initial_state, reset)
+  check_inputs("naive_gated_delta_rule", q, k, v, g, beta, initial_state, reset)
   dt = jnp.float32
   b, t, h, kd = q.shape
   vd = v.shape[-1]
-  s = _initial(initial_state, b, h, kd, vd, dt)
+  s = initial_state_or_zeros(initial_state, b, h, kd, vd, dt)
   if reset is None:
     reset = jnp.zeros((b, t), bool)
   # One split per input (not t index ops): keeps eager reference calls cheap to compile.
@@ -110,7 +110,7 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None, reset=None)
   Same arguments and results as `naive_gated_delta_rule`. O(t) sequential steps, O(1)
   memory in t beyond the outputs.
   """
-  _check_inputs("recurrent_gated_delta_rule", q, k, v, g, beta, initial_state, reset)
+  check_inputs("recurrent_gated_delta_rule", q, k, v, g, beta, initial_state, reset)
   dt = jnp.float32
   b, t, h, kd = q.shape
   vd = v.shape[-1]
@@ -126,7 +126,7 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None, reset=None)
     s = s + k_i[..., :, None] * u[..., None, :]
     return s, einsum("bhkv,bhk->bhv", s, q_i, dt)
 
-  s, o = jax.lax.scan(step, _initial(initial_state, b, h, kd, vd, dt), xs)
+  s, o = jax.lax.scan(step, initial_state_or_zeros(initial_state, b, h, kd, vd, dt), xs)
   return jnp.moveaxis(o, 0, 1).astype(v.dtype), s
 
 
@@ -249,7 +249,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, reset=None, chu
   chunk). Any length works: the tail is padded with beta = 0, g = 0 tokens, which leave the
   state unchanged, and the padded outputs are sliced off.
   """
-  _check_inputs("chunk_gated_delta_rule", q, k, v, g, beta, initial_state, reset)
+  check_inputs("chunk_gated_delta_rule", q, k, v, g, beta, initial_state, reset)
   if not isinstance(chunk_size, int) or chunk_size < 1:
     raise ValueError(f"chunk_gated_delta_rule: chunk_size={chunk_size!r} must be a positive int.")
   dt = jnp.float32
@@ -270,7 +270,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, reset=None, chu
     s_next = decay_n[..., None, None] * s + einsum("bhck,bhcv->bhkv", k_end_n, u, dt)
     return s_next, (s, u)
 
-  s0 = _initial(initial_state, b, h, kd, vd, dt)
+  s0 = initial_state_or_zeros(initial_state, b, h, kd, vd, dt)
   final, (starts, u) = jax.lax.scan(step, s0, (w, u0, k_to_end, state_decay))
   o = (einsum("nbhtk,nbhkv->nbhtv", q_decayed, starts, dt)
        + einsum("nbhts,nbhsv->nbhtv", scores, u, dt))  # [n, b, h, c, vd]

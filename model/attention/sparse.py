@@ -48,7 +48,7 @@ def _cdiv(a: int, b: int) -> int:
   return -(-a // b)
 
 
-def _pad_axis1(x: jax.Array, size: int, value) -> jax.Array:
+def pad_axis1(x: jax.Array, size: int, value) -> jax.Array:
   """Pads axis 1 of x up to `size` with `value`."""
   extra = size - x.shape[1]
   if extra == 0:
@@ -158,7 +158,7 @@ def indexer_scores_dense(q_idx: jax.Array, w_idx: jax.Array, k_idx: jax.Array) -
   return _index_scores(q_idx, w_idx, k_idx)
 
 
-def _check_topk_args(q_idx, w_idx, k_idx, q_pos, q_seg, k_pos, k_seg, topk, query_block, key_block):
+def check_topk_args(q_idx, w_idx, k_idx, q_pos, q_seg, k_pos, k_seg, topk, query_block, key_block):
   _need(q_idx.ndim == 4, f"blockwise_topk: q_idx must be [b, t, heads, dim], got shape {q_idx.shape}.")
   b, t, h, k = q_idx.shape
   _need(b > 0 and t > 0 and k_idx.ndim == 3 and k_idx.shape[1] > 0,
@@ -192,7 +192,7 @@ def _block_stats(pos: jax.Array, seg: jax.Array, block: int):
           red(seg, _INT_MAX, jnp.min), red(seg, _INT_MIN, jnp.max))
 
 
-def _needed_blocks(q_pos, q_seg, k_pos, k_seg, qb: int, kb: int) -> jax.Array:
+def needed_blocks(q_pos, q_seg, k_pos, k_seg, qb: int, kb: int) -> jax.Array:
   """[nq, nk] bool: key block j may hold an allowed key for query block i.
 
   Conservative (a superset) from block-level min/max of positions and segment
@@ -263,16 +263,16 @@ def blockwise_topk(q_idx: jax.Array, w_idx: jax.Array, k_idx: jax.Array, q_pos: 
     idx [b, t, topk] int32 key indices (0 where invalid) and valid
     [b, t, topk] bool (False for slots beyond the allowed keys).
   """
-  _check_topk_args(q_idx, w_idx, k_idx, q_pos, q_seg, k_pos, k_seg, topk, query_block, key_block)
+  check_topk_args(q_idx, w_idx, k_idx, q_pos, q_seg, k_pos, k_seg, topk, query_block, key_block)
   t, s = q_idx.shape[1], k_idx.shape[1]
   qb, kb = min(query_block, t), min(key_block, s)
   tp, sp = _cdiv(t, qb) * qb, _cdiv(s, kb) * kb
   sg = jax.lax.stop_gradient
-  q_idx, w_idx = _pad_axis1(sg(q_idx), tp, 0), _pad_axis1(sg(w_idx), tp, 0)
-  q_pos, q_seg = _pad_axis1(q_pos.astype(jnp.int32), tp, 0), _pad_axis1(q_seg.astype(jnp.int32), tp, -1)
-  k_idx = _pad_axis1(sg(k_idx), sp, 0)
-  k_pos, k_seg = _pad_axis1(k_pos.astype(jnp.int32), sp, 0), _pad_axis1(k_seg.astype(jnp.int32), sp, -1)
-  needed = _needed_blocks(q_pos, q_seg, k_pos, k_seg, qb, kb)
+  q_idx, w_idx = pad_axis1(sg(q_idx), tp, 0), pad_axis1(sg(w_idx), tp, 0)
+  q_pos, q_seg = pad_axis1(q_pos.astype(jnp.int32), tp, 0), pad_axis1(q_seg.astype(jnp.int32), tp, -1)
+  k_idx = pad_axis1(sg(k_idx), sp, 0)
+  k_pos, k_seg = pad_axis1(k_pos.astype(jnp.int32), sp, 0), pad_axis1(k_seg.astype(jnp.int32), sp, -1)
+  needed = needed_blocks(q_pos, q_seg, k_pos, k_seg, qb, kb)
 
   def one_block(args):
     q, w, qp, qs, nd = args
@@ -313,8 +313,8 @@ def selected_indexer_scores(q_idx: jax.Array, w_idx: jax.Array, k_idx: jax.Array
     dots = einsum_f32("bthk,btjk->bthj", q, _gather_rows(k_idx, ix))
     return jnp.einsum("bthj,bth->btj", jax.nn.relu(dots), w.astype(jnp.float32))
 
-  blocks = (_to_blocks(_pad_axis1(q_idx, tp, 0), qb), _to_blocks(_pad_axis1(w_idx, tp, 0), qb),
-            _to_blocks(_pad_axis1(idx, tp, 0), qb))
+  blocks = (_to_blocks(pad_axis1(q_idx, tp, 0), qb), _to_blocks(pad_axis1(w_idx, tp, 0), qb),
+            _to_blocks(pad_axis1(idx, tp, 0), qb))
   out = jax.lax.map(jax.checkpoint(body, prevent_cse=False), blocks)
   return _from_blocks(out)[:, :t]
 
@@ -322,7 +322,7 @@ def selected_indexer_scores(q_idx: jax.Array, w_idx: jax.Array, k_idx: jax.Array
 # ---------------------------------------------------------------------------
 # Main attention: MQA over the MLA latent, sparse and dense reference.
 # ---------------------------------------------------------------------------
-def _check_mqa_args(fn: str, q_lat, q_rope, latent, k_rope) -> tuple[int, int, int, int]:
+def check_mqa_args(fn: str, q_lat, q_rope, latent, k_rope) -> tuple[int, int, int, int]:
   _need(q_lat.ndim == 4, f"{fn}: q_lat must be [b, t, heads, latent], got shape {q_lat.shape}.")
   b, t, h, c = q_lat.shape
   _need(q_rope.ndim == 4 and q_rope.shape[:3] == (b, t, h),
@@ -365,7 +365,7 @@ def sparse_mqa_attention(q_lat: jax.Array, q_rope: jax.Array, latent: jax.Array,
     out_lat [b, t, h, c] in q_lat's dtype (zero for a row with no valid slot)
     and p_sel [b, t, j] f32, the head-summed probabilities normalised to sum 1.
   """
-  b, t, h, _ = _check_mqa_args("sparse_mqa_attention", q_lat, q_rope, latent, k_rope)
+  b, t, h, _ = check_mqa_args("sparse_mqa_attention", q_lat, q_rope, latent, k_rope)
   _need(idx.ndim == 3 and idx.shape[:2] == (b, t) and valid.shape == idx.shape,
         f"sparse_mqa_attention: idx and valid must both be [b={b}, t={t}, topk], "
         f"got {idx.shape} and {valid.shape}.")
@@ -384,8 +384,8 @@ def sparse_mqa_attention(q_lat: jax.Array, q_rope: jax.Array, latent: jax.Array,
     out = einsum("bthj,btjc->bthc", p, g_lat, dtype)
     return out, _head_summed(p)
 
-  blocks = (_to_blocks(_pad_axis1(q_lat, tp, 0), qb), _to_blocks(_pad_axis1(q_rope, tp, 0), qb),
-            _to_blocks(_pad_axis1(idx, tp, 0), qb), _to_blocks(_pad_axis1(valid, tp, False), qb))
+  blocks = (_to_blocks(pad_axis1(q_lat, tp, 0), qb), _to_blocks(pad_axis1(q_rope, tp, 0), qb),
+            _to_blocks(pad_axis1(idx, tp, 0), qb), _to_blocks(pad_axis1(valid, tp, False), qb))
   out, p_sel = jax.lax.map(jax.checkpoint(body, prevent_cse=False), blocks)
   return _from_blocks(out)[:, :t], _from_blocks(p_sel)[:, :t]
 
@@ -402,7 +402,7 @@ def dense_mqa_attention(q_lat: jax.Array, q_rope: jax.Array, latent: jax.Array, 
   Returns:
     out_lat [b, t, h, c] and p [b, t, s] f32 head-summed, L1-normalised probabilities.
   """
-  b, t, _, s = _check_mqa_args("dense_mqa_attention", q_lat, q_rope, latent, k_rope)
+  b, t, _, s = check_mqa_args("dense_mqa_attention", q_lat, q_rope, latent, k_rope)
   _need(mask.shape == (b, t, s), f"dense_mqa_attention: mask must be [b, t, s]={(b, t, s)}, "
         f"got {mask.shape}.")
   logits = (einsum_f32("bthc,bsc->bths", q_lat, latent)

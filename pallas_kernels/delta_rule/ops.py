@@ -38,8 +38,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from model.attention.delta_rule import _check_inputs as check_reference_inputs
-from model.attention.delta_rule import _initial as initial_or_zeros
+from model.attention.delta_rule import check_inputs as check_reference_inputs
+from model.attention.delta_rule import initial_state_or_zeros as initial_or_zeros
 from pallas_kernels.common import next_pow2, resolve_interpret
 from pallas_kernels.delta_rule import kernel
 

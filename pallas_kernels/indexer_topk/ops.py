@@ -29,8 +29,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
-from model.attention.sparse import _check_topk_args, _needed_blocks
-from model.attention.sparse import _pad_axis1 as _pad1
+from model.attention.sparse import check_topk_args, needed_blocks
+from model.attention.sparse import pad_axis1 as _pad1
 from pallas_kernels.common import is_pow2 as _pow2
 from pallas_kernels.common import need as _need
 from pallas_kernels.common import next_pow2 as _next_pow2
@@ -70,7 +70,7 @@ class BlockSizes:
 
 def _check_args(q_idx, w_idx, k_idx, q_pos, q_seg, k_pos, k_seg, topk, query_block, key_block):
   """The XLA path's checks (same signature, same messages), plus at least one indexer head."""
-  _check_topk_args(q_idx, w_idx, k_idx, q_pos, q_seg, k_pos, k_seg, topk, query_block, key_block)
+  check_topk_args(q_idx, w_idx, k_idx, q_pos, q_seg, k_pos, k_seg, topk, query_block, key_block)
   b, t, h, d = q_idx.shape
   _need(h > 0, f"pallas blockwise_topk: need at least one indexer head, got q_idx {q_idx.shape}.")
   return b, t, h, d, k_idx.shape[1]
@@ -103,7 +103,7 @@ def tile_bounds(q_pos, q_seg, k_pos, k_seg, block_q: int, block_k: int) -> jax.A
   Conservative (block-level min/max of positions and segments, as the XLA
   path); the exact mask is applied inside the kernel. Padded arrays in.
   """
-  needed = _needed_blocks(q_pos, q_seg, k_pos, k_seg, block_q, block_k)  # [nq, nk]
+  needed = needed_blocks(q_pos, q_seg, k_pos, k_seg, block_q, block_k)  # [nq, nk]
   nk = needed.shape[1]
   some = jnp.any(needed, axis=1)
   lo = jnp.where(some, jnp.argmax(needed, axis=1), 0)
