@@ -45,6 +45,7 @@ from starlette.concurrency import run_in_threadpool
 
 from serving import generate, images, signing
 from serving.anthropic_request import InvalidRequest, ParsedRequest, parse_request
+from serving.api_common import generation_failure
 from serving.generate import APIError, EventStreamResponse, sse
 from serving.types import Delta, TextDelta, ThinkingDelta, ToolCallDelta, Usage
 
@@ -155,20 +156,11 @@ class ContentBuilder:
 
 
 def stop_reason(processor, finish_reason: str) -> str:
-  """Engine finish reason -> Anthropic stop_reason (a turn that called tools: tool_use)."""
-  reason = processor.finish_reason(finish_reason)
-  if reason == "stop" and processor.stop_sequence is not None:
+  """Final finish reason (generate.stream_events: a turn that called tools ended 'tool_calls')
+  -> Anthropic stop_reason."""
+  if finish_reason == "stop" and processor.stop_sequence is not None:
     return "stop_sequence"
-  return _STOP_REASONS.get(reason, "end_turn")
-
-
-def _failure(finish_reason: str | None) -> APIError | None:
-  """The error for a generation that did not end normally (None when it did)."""
-  if finish_reason == "cancelled":
-    return APIError(503, "The request was cancelled because the server is shutting down; retry.")
-  if finish_reason in (None, "error"):
-    return APIError(500, "Generation failed inside the engine (see the server log); retry the request.")
-  return None
+  return _STOP_REASONS.get(finish_reason, "end_turn")
 
 
 def usage_json(usage: Usage) -> dict[str, Any]:
@@ -218,13 +210,6 @@ def _start(state, req: ParsedRequest):
       call_id_prefix="toolu_")
 
 
-async def _watch_disconnect(request: fastapi.Request, handle) -> None:
-  """Cancels `handle` when the client of a non-streaming request goes away."""
-  while (await request.receive())["type"] != "http.disconnect":
-    pass
-  handle.cancel()
-
-
 @router.post("/v1/messages")
 async def create_message(request: fastapi.Request):
   state = request.app.state
@@ -235,7 +220,7 @@ async def create_message(request: fastapi.Request):
   if req.stream:
     return EventStreamResponse(_stream(handle, processor, builder, msg_id, state.model_name, n_prompt),
                                [handle])
-  watcher = asyncio.ensure_future(_watch_disconnect(request, handle))
+  watcher = asyncio.ensure_future(generate._watch_disconnect(request, [handle]))
   last = None
   try:
     async for event in generate.stream_events(handle):
@@ -244,7 +229,7 @@ async def create_message(request: fastapi.Request):
       last = event
   finally:
     watcher.cancel()
-  error = _failure(last.finish_reason if last else None)
+  error = generation_failure(last.finish_reason if last else None)
   if error is not None:
     raise error
   builder.finish()
@@ -292,7 +277,7 @@ async def _stream(handle, processor, builder: ContentBuilder, msg_id: str, model
       for name, data in builder.feed(delta):
         yield sse(data, name)
     last = event
-  error = _failure(last.finish_reason if last else None)
+  error = generation_failure(last.finish_reason if last else None)
   if error is not None:  # Anthropic's mid-stream error event
     kind = "overloaded_error" if error.status == 503 else "api_error"
     yield sse({"type": "error", "error": {"type": kind, "message": error.message}}, "error")

@@ -50,6 +50,7 @@ from typing import Any
 import numpy as np
 
 from serving import signing
+from serving.api_common import EFFORT_TIERS, ThinkingSettings, effort_thinking, resolve_tool_choice
 from serving.types import (
   EFFORTS,
   ImagePart,
@@ -65,7 +66,6 @@ from serving.types import (
 _TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,128}$")
 _TOOL_ID = re.compile(r"^[a-zA-Z0-9_-]+$")
 _MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
-_EFFORT_TIER = {"low": "low", "medium": "high", "high": "high", "xhigh": "max", "max": "max"}
 THINKING_DOCS = "https://docs.claude.com/en/docs/build-with-claude/extended-thinking"
 
 # Decodes base64 image data into the model's input, float32 [H, W, C] in [0, 1]; ValueError when
@@ -395,50 +395,37 @@ def convert_tools(raw: Any, max_tools: int) -> list[Tool]:
   return tools
 
 
+_TOOL_CHOICE_MODES = {"none": "none", "auto": "auto", "any": "required", "tool": "named"}
+
+
 def convert_tool_choice(raw: Any, tools: list[Tool]) -> ToolChoice:
   if raw is None:
-    return ToolChoice("auto" if tools else "none")
+    return resolve_tool_choice(None, tools)
   if not isinstance(raw, dict):
     _fail("tool_choice", "Input should be a valid dictionary")
   kind = raw.get("type")
   _field(raw, "disable_parallel_tool_use", "tool_choice", bool)
-  if kind == "none":
-    return ToolChoice("none")
-  if kind == "auto":
-    return ToolChoice("auto" if tools else "none")
-  if kind not in ("any", "tool"):
+  if kind not in _TOOL_CHOICE_MODES:
     _fail("tool_choice.type", "Input should be 'auto', 'any', 'tool' or 'none'")
-  if not tools:
-    _fail("tool_choice", f"tool_choice.type '{kind}' requires `tools`")
-  if kind == "any":
-    return ToolChoice("required")
-  name = _field(raw, "name", "tool_choice", str, required=True)
-  if name not in {t.name for t in tools}:
-    _fail("tool_choice.name", f"tool '{name}' is not among `tools` ({', '.join(t.name for t in tools)})")
-  return ToolChoice("named", name)
+  name = _field(raw, "name", "tool_choice", str, required=True) if kind == "tool" and tools else None
+  try:
+    return resolve_tool_choice(_TOOL_CHOICE_MODES[kind], tools, name)
+  except ValueError as e:
+    _fail("tool_choice.name" if name is not None else "tool_choice", str(e))
 
 
-def _tier_for_budget(budget: int, budgets: dict[str, int]) -> str:
+def _tier_for_budget(budget: int, serving: Any) -> str:
   """The prompt's effort line for an explicit budget: the smallest tier that covers it."""
-  return next((t for t in EFFORTS if budgets[t] >= budget), EFFORTS[-1])
-
-
-@dataclasses.dataclass(frozen=True)
-class ThinkingSettings:
-  """on: the model thinks first; budget: most thinking tokens; effort: the prompt's tier line;
-  display: "summarized" (thinking text returned) or "omitted" (empty text, sealed signature)."""
-  on: bool
-  budget: int | None = None
-  effort: str | None = None
-  display: str = "summarized"
+  return next((t for t in EFFORTS if int(serving.thinking_budgets[t]) >= budget), EFFORTS[-1])
 
 
 def _effort(body: dict) -> str | None:
+  """output_config.effort: an effort name with a thinking tier (not none/minimal), or None."""
   output_config = _field(body, "output_config", "", dict, default={})
   effort = _field(output_config, "effort", "output_config", str)
-  if effort is not None and effort not in _EFFORT_TIER:
+  if effort is not None and EFFORT_TIERS.get(effort) is None:
     _fail("output_config.effort", "Input should be 'low', 'medium', 'high', 'xhigh' or 'max'")
-  return _EFFORT_TIER.get(effort) if effort else None
+  return effort
 
 
 def _display(thinking: dict) -> str:
@@ -455,20 +442,16 @@ def convert_thinking(body: dict, serving: Any, max_tokens: int | None) -> Thinki
   or the smallest tier whose budget covers it. adaptive: the effort's tier
   (default high) and its configured budget. Absent: config.serving.default_effort.
   """
-  budgets = {t: int(serving.thinking_budgets[t]) for t in EFFORTS}
-  tier = _effort(body)
+  effort = _effort(body)
   thinking = _field(body, "thinking", "", dict)
-  if thinking is None:  # the server default (configs/serve.py default_effort)
-    if serving.default_effort == "none":
-      return ThinkingSettings(False)
-    tier = tier or _EFFORT_TIER[serving.default_effort]
-    return ThinkingSettings(True, budgets[tier], tier)
+  if thinking is None:  # the server default (configs/serve.py default_effort) turns thinking on or off
+    default = effort_thinking(None, serving)
+    return effort_thinking(effort, serving) if default.on and effort else default
   kind = thinking.get("type")
   if kind == "disabled":
     return ThinkingSettings(False)
   if kind == "adaptive":
-    tier = tier or "high"
-    return ThinkingSettings(True, budgets[tier], tier, _display(thinking))
+    return dataclasses.replace(effort_thinking(effort or "high", serving), display=_display(thinking))
   if kind == "between_tools":
     _fail("thinking.type", "'between_tools' is not supported by this server; use 'enabled' "
           "(with budget_tokens), 'adaptive' or 'disabled'")
@@ -480,7 +463,8 @@ def convert_thinking(body: dict, serving: Any, max_tokens: int | None) -> Thinki
   if max_tokens is not None and budget >= max_tokens:
     _fail("", "`max_tokens` must be greater than `thinking.budget_tokens`. Please consult our "
           f"documentation at {THINKING_DOCS}#max-tokens-and-context-window-size")
-  return ThinkingSettings(True, budget, tier or _tier_for_budget(budget, budgets), _display(thinking))
+  tier = EFFORT_TIERS[effort] if effort else _tier_for_budget(budget, serving)
+  return ThinkingSettings(True, budget, tier, _display(thinking))
 
 
 def _sampling(body: dict, max_tokens: int) -> SamplingParams:
@@ -516,6 +500,7 @@ def parse_request(body: Any, *, serving: Any, key: bytes, decode_image: ImageDec
     count_only: parse a /v1/messages/count_tokens body.
   Raises:
     InvalidRequest: naming the offending field.
+    APIError: 500, config.serving.default_effort is not an effort name.
   """
   if not isinstance(body, dict):
     _fail("", "the request body must be a JSON object")

@@ -34,6 +34,7 @@ import fastapi
 from starlette.concurrency import run_in_threadpool
 
 from serving import generate
+from serving.api_common import effort_thinking, generation_failure
 from serving.generate import APIError, EventStreamResponse, sse
 from serving.openai_request import (
   ChatRequest,
@@ -43,14 +44,12 @@ from serving.openai_request import (
   convert_tools,
   refuse_unsupported,
   stop_strings,
-  thinking_settings,
 )
 from serving.types import SamplingParams, TextDelta, ThinkingDelta, ToolCallDelta, ToolChoice, Usage
 
 router = fastapi.APIRouter()
 
 ARG_FRAGMENT = 16  # characters of tool-call arguments per streamed delta
-_FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls"}
 
 
 @dataclasses.dataclass
@@ -78,12 +77,11 @@ def usage_json(prompt_tokens: int, usages: Sequence[Usage]) -> dict[str, Any]:
 
 
 def _finish_reason(reason: str) -> str:
-  """Engine reason -> OpenAI's; 'error'/'cancelled' never reach a client as a normal finish."""
-  if reason in _FINISH:
-    return _FINISH[reason]
-  if reason == "cancelled":
-    raise APIError(503, "The request was cancelled because the server is shutting down.")
-  raise APIError(500, "Generation failed inside the engine (see the server log); retry the request.")
+  """Engine reason -> OpenAI's (the same names); 'error'/'cancelled' never reach a client as a finish."""
+  error = generation_failure(reason)
+  if error is not None:
+    raise error
+  return reason
 
 
 def max_tokens_for(config, prompt_len: int, given: int | None, param: str, prompt_param: str) -> int:
@@ -155,14 +153,6 @@ def _delta_json(d) -> list[dict[str, Any]]:
   raise TypeError(f"unknown delta {d!r}")
 
 
-def _error_event(reason: str) -> str:
-  try:
-    _finish_reason(reason)
-  except APIError as e:
-    return sse({"error": {"message": e.message, "type": "server_error", "param": None, "code": None}})
-  return ""
-
-
 async def _chat_stream(handles, reply: _Reply, include_usage: bool) -> AsyncIterator[str]:
   extra = {"usage": None} if include_usage else {}
 
@@ -186,12 +176,12 @@ async def _choice_stream(handles, reply: _Reply, include_usage: bool, chunk, emp
     for piece in pieces(event):
       yield chunk(i, piece)
     if event.finish_reason is not None:
-      failure = _error_event(event.finish_reason)
-      if failure:
-        yield failure
+      error = generation_failure(event.finish_reason)
+      if error is not None:
+        yield sse({"error": {"message": error.message, "type": "server_error", "param": None, "code": None}})
         return
       usages.append(event.usage)
-      yield chunk(i, empty, _finish_reason(event.finish_reason))
+      yield chunk(i, empty, event.finish_reason)
   if include_usage:
     yield sse({**reply.head(), "choices": [], "usage": usage_json(reply.prompt_tokens, usages)})
   yield sse("[DONE]")
@@ -204,12 +194,12 @@ async def chat_completions(body: ChatRequest, request: fastapi.Request):
   config = state.config
   refuse_unsupported(body)
   stops = stop_strings(body.stop)
-  thinking, budget, tier = thinking_settings(body, config)
+  thinking = effort_thinking(body.reasoning_effort, config.serving)
   tools, choice = convert_tools(body, int(config.serving.max_tools))
   decoder = ImageDecoder(state.model_cfg.vision, int(config.serving.max_images))
   messages = await run_in_threadpool(convert_messages, body.messages, decoder)
-  rendered = await run_in_threadpool(generate.render, state, messages, tools=tools, thinking=thinking,
-                                     effort=tier)
+  rendered = await run_in_threadpool(generate.render, state, messages, tools=tools, thinking=thinking.on,
+                                     effort=thinking.effort)
   generate.check_images(state, len(rendered.images), "messages")
   if body.max_completion_tokens is not None:
     given, param = body.max_completion_tokens, "max_completion_tokens"
@@ -218,7 +208,7 @@ async def chat_completions(body: ChatRequest, request: fastapi.Request):
   max_tokens = max_tokens_for(config, len(rendered.ids), given, param, "messages")
 
   def processor():
-    return generate.make_processor(state, thinking=thinking, thinking_budget=budget, stop=stops,
+    return generate.make_processor(state, thinking=thinking.on, thinking_budget=thinking.budget, stop=stops,
                                    tools=tools, tool_choice=choice, call_id_prefix="call_")
 
   handles = _submit_all(state, rendered.ids, rendered.images, body, max_tokens, processor)
@@ -229,7 +219,7 @@ async def chat_completions(body: ChatRequest, request: fastapi.Request):
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return EventStreamResponse(_chat_stream(handles, reply, include_usage), handles)
   results = await generate.collect_all(handles, request)
-  choices = [{"index": i, "message": _message_json(r, thinking), "logprobs": None,
+  choices = [{"index": i, "message": _message_json(r, thinking.on), "logprobs": None,
               "finish_reason": _finish_reason(r.finish_reason)} for i, r in enumerate(results)]
   return {**reply.head(), "choices": choices,
           "usage": usage_json(reply.prompt_tokens, [r.usage for r in results])}
@@ -257,18 +247,18 @@ def _prompts(state, body: CompletionRequest) -> list[list[int]]:
   return [list(ids) for ids in p]
 
 
-async def _completion_stream(groups, reply: _Reply, include_usage: bool) -> AsyncIterator[str]:
+async def _completion_stream(handles, echoes: list[str], reply: _Reply,
+                             include_usage: bool) -> AsyncIterator[str]:
   extra = {"usage": None} if include_usage else {}
-  handles = [h for hs, _ in groups for h in hs]
-  echo_text = [t for hs, t in groups for _ in hs]
 
   def chunk(i: int, text: str, finish: str | None = None) -> str:
     return sse({**reply.head(), "choices": [{"index": i, "text": text, "logprobs": None,
                                              "finish_reason": finish}], **extra})
 
-  for i, text in enumerate(echo_text):
+  for i, text in enumerate(echoes):
     if text:
       yield chunk(i, text)
+
   def text_of(event) -> list[str]:
     text = "".join(d.text for d in event.deltas if isinstance(d, TextDelta))
     return [text] if text else []
@@ -306,13 +296,13 @@ async def completions(body: CompletionRequest, request: fastapi.Request):
         h.cancel()
     raise
   handles = [h for hs, _ in groups for h in hs]
+  echoes = [t for hs, t in groups for _ in hs]
   reply = _Reply(f"cmpl-{secrets.token_hex(12)}", "text_completion", int(time.time()),
                  state.model_name, sum(len(ids) for ids in prompts))
   if body.stream:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return EventStreamResponse(_completion_stream(groups, reply, include_usage), handles)
+    return EventStreamResponse(_completion_stream(handles, echoes, reply, include_usage), handles)
   results = await generate.collect_all(handles, request)
-  echoes = [t for hs, t in groups for _ in hs]
   choices = [{"index": i, "text": echoes[i] + r.text, "logprobs": None,
               "finish_reason": _finish_reason(r.finish_reason)} for i, r in enumerate(results)]
   return {**reply.head(), "choices": choices,

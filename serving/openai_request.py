@@ -26,7 +26,8 @@ from typing import Any, Literal
 import pydantic
 
 from serving import images as images_lib
-from serving.generate import OPENAI_EFFORT_TIERS, APIError
+from serving.api_common import resolve_tool_choice
+from serving.generate import APIError
 from serving.types import ImagePart, Message, Part, TextPart, Tool, ToolCall, ToolChoice
 
 _TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
@@ -145,23 +146,6 @@ def refuse_unsupported(body: _Sampling) -> None:
                      "use n.", param="best_of")
 
 
-# ---------------------------------------------------------------- thinking --
-
-def thinking_settings(body: ChatRequest, config) -> tuple[bool, int | None, str | None]:
-  """(thinking on, budget, tier) from reasoning_effort (default config.serving.default_effort).
-
-  Mapping: none/minimal -> off; low -> low; medium -> high; high -> high; xhigh/max -> max.
-  """
-  effort = body.reasoning_effort or config.serving.default_effort
-  if effort not in OPENAI_EFFORT_TIERS:
-    raise APIError(500, f"config.serving.default_effort={effort!r} is not one of "
-                   f"{list(OPENAI_EFFORT_TIERS)}.")
-  tier = OPENAI_EFFORT_TIERS[effort]
-  if tier is None:
-    return False, None, None
-  return True, int(config.serving.thinking_budgets[tier]), tier
-
-
 # ------------------------------------------------------------------- tools --
 
 def convert_tools(body: ChatRequest, max_tools: int) -> tuple[list[Tool], ToolChoice]:
@@ -183,18 +167,11 @@ def convert_tools(body: ChatRequest, max_tools: int) -> tuple[list[Tool], ToolCh
     params = f.parameters if f.parameters is not None else {"type": "object", "properties": {}}
     tools.append(Tool(name=f.name, description=f.description or "", parameters=params))
   choice = body.tool_choice
-  if choice is None:
-    return tools, ToolChoice("auto" if tools else "none")
-  if isinstance(choice, NamedToolChoice):
-    if choice.function.name not in seen:
-      raise APIError(400, f"tool_choice names the function {choice.function.name!r}, which is not in "
-                     f"tools ({sorted(seen)}).", param="tool_choice")
-    return tools, ToolChoice("named", choice.function.name)
-  if choice == "required" and not tools:
-    raise APIError(400, "tool_choice 'required' needs at least one tool in `tools`.", param="tool_choice")
-  if choice == "auto" and not tools:
-    return tools, ToolChoice("none")
-  return tools, ToolChoice(choice)
+  mode, name = ("named", choice.function.name) if isinstance(choice, NamedToolChoice) else (choice, None)
+  try:
+    return tools, resolve_tool_choice(mode, tools, name)
+  except ValueError as e:
+    raise APIError(400, str(e), param="tool_choice") from None
 
 
 # ---------------------------------------------------------------- messages --

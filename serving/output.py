@@ -288,10 +288,7 @@ class OutputProcessor:
       elif self._phase == "call":
         self._malformed(out, "no closing <|/tool_call|> before the end of generation "
                         f"(finish reason {reason!r})")
-      if self.stop_sequence is None:
-        self._answer_text(out, self._text_detok.flush())
-      if self.stop_sequence is None:
-        self._deliver(out, TextDelta, self._matcher.flush())
+      self._end_text_run(out)
     self._closed = True
     return out
 
@@ -313,7 +310,7 @@ class OutputProcessor:
       self._finish = "stop"
 
   def _end_text_run(self, out: list[Delta]) -> None:
-    """Text cannot continue across a tool call: deliver everything held back."""
+    """Text cannot continue (a tool call opens, or the request ended): deliver everything held back."""
     self._answer_text(out, self._text_detok.flush())
     if self.stop_sequence is None:
       self._deliver(out, TextDelta, self._matcher.flush())
