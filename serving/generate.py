@@ -207,17 +207,10 @@ async def collect_all(handles: Sequence[Any], request=None) -> list[Result]:
 
 
 def final_reason(handle, reason: str) -> str:
-  """The engine's finish reason, with 'stop' at end of turn after tool calls made 'tool_calls'.
-
-  The engine ends a request on a stop token (<|end_of_turn|>, eos) without
-  feeding it to the processor, so the processor's own end-of-turn rule
-  ("after >= 1 valid call -> tool_calls") is applied here. A matched stop
-  string stays 'stop'.
-  """
+  """The engine's finish reason as the API reports it (`OutputProcessor.finish_reason`:
+  'stop' at end of turn after >= 1 valid tool call becomes 'tool_calls')."""
   proc = handle.request.processor
-  if reason == "stop" and getattr(proc, "tool_calls", None) and getattr(proc, "stop_sequence", None) is None:
-    return "tool_calls"
-  return reason
+  return proc.finish_reason(reason) if proc is not None else reason
 
 
 async def stream_events(handle) -> AsyncIterator[Any]:
