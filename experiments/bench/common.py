@@ -22,3 +22,13 @@ def median_seconds(compiled, args, reps: int, warmup: bool = True) -> float:
     jax.block_until_ready(compiled(*args))
     times.append(time.perf_counter() - t0)
   return statistics.median(times)
+
+
+def skip_message(peak_bytes: int, limit_bytes: float) -> str | None:
+  """'skipped: needs X GiB' when a compiled program's planned bytes exceed the limit, else None.
+
+  Benchmarks compile first (`compiled_peak_bytes`) and only run what fits.
+  """
+  if peak_bytes > limit_bytes:
+    return f"skipped: needs {peak_bytes / 2 ** 30:.1f} GiB"
+  return None

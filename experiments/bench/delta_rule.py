@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.bench.common import compiled_peak_bytes
+from experiments.bench.common import compiled_peak_bytes, skip_message
 from experiments.bench.delta_chunked_vs_recurrent import _inputs, _time_interleaved, _with_grad
 from model.attention.delta_rule import chunk_gated_delta_rule as xla_rule
 from pallas_kernels.delta_rule import chunk_gated_delta_rule as pallas_rule
@@ -58,8 +58,9 @@ def _bench_one(n: int, args: argparse.Namespace) -> dict:
     peak = compiled_peak_bytes(compiled)
     row[f"{name}_bytes"] = peak
     row[f"{name}_s"] = None
-    if peak > SKIP_BYTES:
-      row[f"{name}_skipped"] = f"skipped: needs {peak / 2 ** 30:.1f} GiB"
+    skipped = skip_message(peak, SKIP_BYTES)
+    if skipped:
+      row[f"{name}_skipped"] = skipped
     else:
       runnable[name] = compiled
   for name, (median, best) in _time_interleaved(runnable, x, args.reps).items():

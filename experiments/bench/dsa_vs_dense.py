@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from configs import horizon
-from experiments.bench.common import compiled_peak_bytes, median_seconds
+from experiments.bench.common import compiled_peak_bytes, median_seconds, skip_message
 from model.attention import sparse
 from model.attention.dsa import GatedDSA
 from model.config import ModelConfig
@@ -93,8 +93,9 @@ def measure(fn, params, x, reps: int, limit_bytes: int, run: bool = True) -> dic
   """Compiles ahead of time (excluded from timing), reads planned memory, times `reps` runs."""
   compiled = jax.jit(fn).lower(params, x).compile()
   peak = compiled_peak_bytes(compiled)
-  if peak > limit_bytes:
-    return {"peak": peak, "skipped": f"skipped: needs {peak / GIB:.1f} GiB"}
+  skipped = skip_message(peak, limit_bytes)
+  if skipped:
+    return {"peak": peak, "skipped": skipped}
   if not run:
     return {"peak": peak, "skipped": "not run"}
   return {"peak": peak, "time": median_seconds(compiled, (params, x), reps, warmup=False)}

@@ -28,7 +28,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from experiments.bench.common import compiled_peak_bytes, median_seconds
+from experiments.bench.common import compiled_peak_bytes, median_seconds, skip_message
 from model.attention import sparse
 from pallas_kernels.indexer_topk import ops as topk_ops
 from pallas_kernels.sparse_attention import ops as attn_ops
@@ -73,8 +73,9 @@ def measure(fn, inputs, reps: int, limit_bytes: int) -> dict:
   """AOT compile (not timed), planned bytes, median time; skipped past the memory limit."""
   compiled = jax.jit(fn).lower(*inputs).compile()
   peak = compiled_peak_bytes(compiled)
-  if peak > limit_bytes:
-    return {"peak": peak, "skipped": f"skipped: needs {peak / 2 ** 30:.1f} GiB"}
+  skipped = skip_message(peak, limit_bytes)
+  if skipped:
+    return {"peak": peak, "skipped": skipped}
   return {"peak": peak, "time": median_seconds(compiled, inputs, reps)}
 
 
