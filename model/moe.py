@@ -50,6 +50,7 @@ j routed slot (one of the top-k), n row block, m row within a block.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 import jax
@@ -340,17 +341,19 @@ def mxfp4_dropless_experts(x_td: jax.Array, expert_idx_tk: jax.Array, weights_tk
                            gate: Any, up: Any, down: Any, dtype) -> jax.Array:
   """`dropless_experts` with MXFP4 expert weights read by the fused grouped-matmul kernel.
 
-  gate/up/down are `model.quant.MXFP4Weight`s (w_gate [e, d, f] stored as
-  blocks [e, f, d/32, 16], w_down [e, f, d] as [e, d, f/32, 16]); the kernel
-  unpacks and scales them tile by tile, so no dense copy of an expert exists.
+  gate/up/down are `model.quant.MXFP4Weight`s or their {'blocks', 'scales'}
+  values (w_gate [e, d, f] stored as blocks [e, f, d/32, 16], w_down [e, f, d]
+  as [e, d, f/32, 16]); the kernel unpacks and scales them tile by tile, so no
+  dense copy of an expert exists. Ids equal to e ("no expert") give zeros.
   """
   from pallas_kernels.mxfp4.ops import mxfp4_ragged_matmul  # noqa: PLC0415
 
   t, kslots = expert_idx_tk.shape
-  _, order, group_sizes = _sort_assignments(expert_idx_tk, gate.blocks.shape[0])
+  gate, up, down = (w if isinstance(w, dict) else w.get_value() for w in (gate, up, down))
+  _, order, group_sizes = _sort_assignments(expert_idx_tk, gate["blocks"].shape[0])
 
   def mm(a, w):
-    return mxfp4_ragged_matmul(a.astype(dtype), w.blocks, w.scales, group_sizes).astype(dtype)
+    return mxfp4_ragged_matmul(a.astype(dtype), w["blocks"], w["scales"], group_sizes).astype(dtype)
 
   y = _grouped_swiglu(x_td, order, kslots, mm, gate, up, down)
   return einsum("tjd,tj->td", y.reshape(t, kslots, -1), weights_tk, dtype)
@@ -438,19 +441,19 @@ class MoE(nnx.Module):
     capacity exchange dropped (always 0 without a mesh or with 'ragged').
     """
     cfg = self.cfg
-    no_mesh = jax.sharding.get_abstract_mesh().empty
-    if no_mesh and cfg.quantization != "none" and cfg.use_pallas:
-      y = mxfp4_dropless_experts(x_td, idx_tk, weights_tk, self.w_gate, self.w_up, self.w_down,
-                                 cfg.jnp_dtype)
-      return y, jnp.zeros((), jnp.float32)
-    # Dense weights, or MXFP4 ones dequantized on read (model.quant.MXFP4Weight).
-    experts = (self.w_gate[...], self.w_up[...], self.w_down[...])
-    if no_mesh:
-      y = dropless_experts(x_td, idx_tk, weights_tk, *experts, cfg.jnp_dtype, impl=self.impl)
-      return y, jnp.zeros((), jnp.float32)
+    if cfg.quantization != "none" and cfg.use_pallas:
+      # MXFP4 experts read packed by the fused grouped-matmul kernel (one device or EP shards).
+      experts = (self.w_gate.get_value(), self.w_up.get_value(), self.w_down.get_value())
+      grouped = mxfp4_dropless_experts
+    else:
+      # Dense weights, or MXFP4 ones dequantized on read (model.quant.MXFP4Weight).
+      experts = (self.w_gate[...], self.w_up[...], self.w_down[...])
+      grouped = functools.partial(dropless_experts, impl=self.impl)
+    if jax.sharding.get_abstract_mesh().empty:
+      return grouped(x_td, idx_tk, weights_tk, *experts, cfg.jnp_dtype), jnp.zeros((), jnp.float32)
 
     def local(x, ids, w, w_gate, w_up, w_down):
-      return dropless_experts(x, ids, w, w_gate, w_up, w_down, cfg.jnp_dtype, impl=self.impl)
+      return grouped(x, ids, w, w_gate, w_up, w_down, cfg.jnp_dtype)
 
     return expert_parallel.expert_parallel_experts(
         x_td, idx_tk, weights_tk, *experts, local_experts=local, exchange=cfg.expert_exchange,

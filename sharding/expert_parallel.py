@@ -82,11 +82,31 @@ def _assignments(idx_tk, valid_t, e_local):
   return flat, token, valid, flat // e_local, flat % e_local
 
 
+def _num_experts(w) -> int:
+  """Leading (expert) dim of a dense weight or of MXFP4 {'blocks', 'scales'} arrays."""
+  return (w["blocks"] if isinstance(w, dict) else w).shape[0]
+
+
+def _weight_specs(w, ep_axis, tp, contraction_sharded: bool):
+  """PartitionSpecs of one expert weight: experts over `ep_axis`, FFN width f over `tp`.
+
+  Dense: [e, d, f] (gate/up) or [e, f, d] (down). MXFP4 (gpt-oss layout, the
+  contraction axis last in blocks of 32): gate/up [e, f, d/32, 16] + [e, f, d/32],
+  down [e, d, f/32, 16] + [e, d, f/32], so f is axis 1 for gate/up and the
+  block axis for down.
+  """
+  if not isinstance(w, dict):
+    return P(ep_axis, tp, None) if contraction_sharded else P(ep_axis, None, tp)
+  if contraction_sharded:  # down: f is the (blocked) contraction axis
+    return {"blocks": P(ep_axis, None, tp, None), "scales": P(ep_axis, None, tp)}
+  return {"blocks": P(ep_axis, tp, None, None), "scales": P(ep_axis, tp, None)}
+
+
 def _capacity_body(x, idx, wts, valid_t, wg, wu, wd, *, ep_axis, tp_axes, batch_axes, cap,
                    local_experts):
   t, d = x.shape
   ep = jax.lax.axis_size(ep_axis)
-  e_local = wg.shape[0]
+  e_local = _num_experts(wg)
   flat, token, valid, dest, lid = _assignments(idx, valid_t, e_local)
   onehot = (dest[:, None] == jnp.arange(ep)) & valid[:, None]  # [A, ep]
   rank = jnp.take_along_axis(jnp.cumsum(onehot, axis=0), dest[:, None], axis=1)[:, 0] - 1
@@ -136,7 +156,7 @@ def _ragged_body(x, idx, wts, valid_t, wg, wu, wd, *, ep_axis, tp_axes, batch_ax
                  exchange_fn):
   t, d = x.shape
   ep = jax.lax.axis_size(ep_axis)
-  e_local = wg.shape[0]
+  e_local = _num_experts(wg)
   flat, token, valid, _, _ = _assignments(idx, valid_t, e_local)
   a = flat.shape[0]
   key = jnp.where(valid, flat, ep * e_local)  # invalid assignments sort last, to no shard
@@ -175,7 +195,9 @@ def expert_parallel_experts(x_td: jax.Array, idx_tk: jax.Array, weights_tk: jax.
   Args:
     x_td: [t, d] tokens (global view).
     idx_tk: [t, k] expert ids; weights_tk: [t, k] combine weights.
-    w_gate, w_up: [e, d, f]; w_down: [e, f, d] (global view).
+    w_gate, w_up: [e, d, f]; w_down: [e, f, d] (global view); or each as MXFP4
+      {'blocks', 'scales'} (model.quant, gpt-oss layout), passed to
+      local_experts as the device's shards.
     local_experts: grouped SwiGLU over one shard's experts (see LocalExperts).
     exchange: 'auto' | 'ragged' | 'capacity' (module docstring).
     capacity_factor: bucket size factor of the capacity exchange.
@@ -199,7 +221,7 @@ def expert_parallel_experts(x_td: jax.Array, idx_tk: jax.Array, weights_tk: jax.
                                   f"expert axis {ep_axis!r} (tokens are exchanged over it).")
   tp_axes = tuple(a for a in rules_lib._as_tuple(rules.params["mlp"]) if a in mesh.axis_names)
   ep = mesh.shape[ep_axis]
-  e = w_gate.shape[0]
+  e = _num_experts(w_gate)
   if e % ep:
     raise rules_lib.ShardingError(f"num_experts={e} is not divisible by the expert mesh axis ({ep}); "
                                   "change config.model.num_experts or config.mesh.expert.")
@@ -220,9 +242,11 @@ def expert_parallel_experts(x_td: jax.Array, idx_tk: jax.Array, weights_tk: jax.
     body = lambda *a: _ragged_body(*a, exchange_fn=ragged_collective(), **common)  # noqa: E731
   tok = P(batch_axes, None)
   tp = tp_axes if tp_axes else None
-  w_in = P(ep_axis, None, tp)
-  w_out = P(ep_axis, tp, None)
+  w_in = _weight_specs(w_gate, ep_axis, tp, contraction_sharded=False)
+  w_out = _weight_specs(w_down, ep_axis, tp, contraction_sharded=True)
+  # MXFP4 experts run a Pallas kernel inside, whose outputs carry no varying-axes type.
   y, dropped = jax.shard_map(
       body, in_specs=(tok, tok, tok, P(batch_axes), w_in, w_in, w_out), out_specs=(tok, P()),
+      check_vma=not isinstance(w_gate, dict),
   )(x_td, idx_tk, weights_tk, valid, w_gate, w_up, w_down)
   return y[:t], dropped

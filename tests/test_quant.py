@@ -159,3 +159,23 @@ def test_quantize_script_round_trip(tmp_path):
   for name in ("o1", "o2", "o3", "o4"):
     assert not (tmp_path / name).exists()
   assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_mxfp4_experts_run_expert_parallel_with_the_kernel():
+  """On an expert-parallel mesh the fused kernel runs on each device's expert shards."""
+  from sharding import mesh as mesh_lib
+
+  cfg = _cfg(kernels="pallas", quantization="experts", capacity_factor=8.0)
+  model = build_model(cfg, seed=7)
+  moe = next(b.ffn for b in model.blocks if b.ffn_kind == "moe")
+  x = jax.random.normal(jax.random.key(8), (8, 5, cfg.d_model), jnp.float32)
+  call = nnx.jit(lambda m, x: m(x))
+  y_one, aux_one = call(moe, x)
+  mesh = mesh_lib.make_mesh({"data": 2, "fsdp": 1, "expert": 4, "tensor": 1})
+  with mesh_lib.activate(mesh):
+    y_ep, aux_ep = call(moe, x)
+    jaxpr = str(jax.make_jaxpr(lambda x: moe(x))(x))
+  assert float(aux_ep["dropped"]) == 0.0
+  assert_close(y_ep, y_one, what="MXFP4 MoE: expert-parallel (2,1,4,1) vs one device")
+  assert "shard_map" in jaxpr and "pallas_call" in jaxpr
+  del aux_one
