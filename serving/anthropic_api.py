@@ -207,7 +207,7 @@ def _start(state, req: ParsedRequest):
   return generate.start_generation(
       state, req.messages, tools=req.tools, tool_choice=req.tool_choice, thinking=req.thinking,
       thinking_budget=req.thinking_budget, effort=req.effort, params=req.params, stop=req.stop,
-      call_id_prefix="toolu_")
+      call_id_prefix="toolu_", continue_final=req.prefill)
 
 
 @router.post("/v1/messages")
@@ -295,5 +295,6 @@ async def count_tokens(request: fastapi.Request):
   """The prompt's token count: exactly `usage.input_tokens` of the same messages.create."""
   state = request.app.state
   req = await _parse(request, count_only=True)
-  rendered = generate.render(state, req.messages, tools=req.tools, thinking=req.thinking, effort=req.effort)
+  rendered = generate.render(state, req.messages, tools=req.tools, thinking=req.thinking, effort=req.effort,
+                             continue_final=req.prefill)
   return JSONResponse({"input_tokens": len(rendered.ids)})

@@ -35,8 +35,11 @@ Translation (why each choice):
     `output_config.effort` low/medium/high/xhigh/max -> tier low/high/high/
     max/max (the tier line of the prompt). `display: omitted` is honoured
     (serving/signing.py); `between_tools` is refused (no such mode here).
-  * A final assistant message (prefill) is refused with a 400: the chat
-    format always opens a fresh assistant turn for generation.
+  * A final assistant message is a prefill: the answer continues its text
+    (`ChatRenderer.render(continue_final=True)`), and the response holds only
+    the continuation, as Anthropic's does. It must be text only, must not end
+    in whitespace, and cannot be combined with thinking (400s like Anthropic's).
+    An empty final assistant message is ignored.
 """
 
 from __future__ import annotations
@@ -98,6 +101,8 @@ class ParsedRequest:
   # sealed thinking as signature: thinking.display "omitted") or "redacted" (redacted_thinking
   # blocks: Anthropic's test trigger was sent; serving/signing.py).
   thinking_display: str
+  # The last message is an assistant prefill the answer continues (not a new turn).
+  prefill: bool = False
 
 
 def _fail(path: str, message: str) -> None:
@@ -239,6 +244,9 @@ def _turns(raw: Any) -> list[_Turn]:
       _fail(_join(path, "content"), "Field required")
     blocks = [(_join(_join(path, "content"), j), b)
               for j, b in enumerate(_blocks(msg["content"], _join(path, "content")))]
+    if role == "assistant" and i == len(raw) - 1 and all(
+        b.get("type") == "text" and not b.get("text") for _, b in blocks):
+      continue  # an empty final assistant message: nothing to prefill
     if not blocks:
       _fail(path, "all messages must have non-empty content except for the optional final assistant "
             "message")
@@ -326,15 +334,35 @@ def _check_final_thinking(turns: list[_Turn]) -> None:
           f"consult our documentation at {THINKING_DOCS}")
 
 
+def _check_prefill(turn: _Turn, path: str, thinking: bool) -> None:
+  """A final assistant message continues as text: text blocks only, no trailing whitespace."""
+  if thinking:
+    _fail(path, "a final `assistant` message (prefill) cannot be used with `thinking` enabled: the "
+          "answer would continue without its thinking. Disable `thinking` or end with a user message")
+  for block_path, block in turn.blocks:
+    if block.get("type") != "text":
+      _fail(_join(block_path, "type"), "a final `assistant` message (prefill) may only hold `text` "
+            f"blocks, not '{block.get('type')}'")
+  last = turn.blocks[-1][1].get("text")
+  if isinstance(last, str) and last != last.rstrip():
+    _fail(path, "final assistant content cannot end with trailing whitespace")
+
+
 def convert_messages(raw: Any, *, key: bytes, decode_image: ImageDecoder,
                      thinking: bool) -> tuple[list[Message], bool]:
-  """(messages, redacted-thinking trigger present) for a request's `messages`."""
+  """(messages, redacted-thinking trigger present) for a request's `messages`.
+
+  A final assistant message (a prefill) is kept as the last message; see
+  `ParsedRequest.prefill`.
+  """
   turns = _turns(raw)
-  if thinking:
+  if not turns:
+    _fail("messages", "at least one message must have non-empty content")
+  prefill = turns[-1].role == "assistant"
+  if prefill:
+    _check_prefill(turns[-1], f"messages.{len(raw) - 1}", thinking)
+  elif thinking:
     _check_final_thinking(turns)
-  if turns[-1].role == "assistant":
-    _fail(f"messages.{len(raw) - 1}.role", "a final `assistant` message (prefill) is not supported by this "
-          "server; end the conversation with a user message")
   out: list[Message] = []
   pending: dict[str, str] = {}
   for turn in turns:
@@ -526,4 +554,5 @@ def parse_request(body: Any, *, serving: Any, key: bytes, decode_image: ImageDec
       thinking=thinking.on, thinking_budget=thinking.budget, effort=thinking.effort,
       params=_sampling(body, max_tokens or 1), stop=_stop_sequences(body),
       stream=bool(_field(body, "stream", "", bool, default=False)),
-      thinking_display="redacted" if trigger and thinking.on else thinking.display)
+      thinking_display="redacted" if trigger and thinking.on else thinking.display,
+      prefill=bool(messages) and messages[-1].role == "assistant")

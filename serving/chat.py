@@ -98,7 +98,8 @@ class ChatRenderer:
     return self.tokenizer.encode(text, allow_special=False) if text else []
 
   def render(self, messages: Sequence[Message], *, tools: Sequence[Tool] = (), effort: str | None = None,
-             thinking: bool = False, add_generation_prompt: bool = True) -> Rendered:
+             thinking: bool = False, add_generation_prompt: bool = True,
+             continue_final: bool = False) -> Rendered:
     """Token ids (and images) of a conversation.
 
     Args:
@@ -109,6 +110,9 @@ class ChatRenderer:
         when `thinking` is on.
       thinking: whether the model thinks before answering (generation prompt).
       add_generation_prompt: append the assistant prefix the model continues.
+      continue_final: the last message is an assistant answer to continue
+        (a "prefill"): it is rendered without its end of turn and no
+        generation prompt follows, so generation continues its text.
 
     Raises:
       ValueError: a malformed message (the message index and field are named)
@@ -132,8 +136,16 @@ class ChatRenderer:
       sections.append(f"Reasoning effort: {effort}")
     if system_text is not None or sections:
       ids += [sp["system"], *self._text("\n\n".join(sections)), sp["end_of_turn"]]
+    if continue_final:
+      last = messages[-1] if len(messages) > start else None
+      if last is None or last.role != "assistant" or last.tool_calls:
+        raise ValueError(f"messages[{len(messages) - 1}]: continue_final needs a final assistant "
+                         "message without tool calls.")
     for m in messages[start:]:
       ids += self._message(m, calls, images)
+    if continue_final:
+      return Rendered(ids=ids[:-1], images=images,  # drop the end of turn: the answer goes on
+                      num_image_tokens=len(images) * self.num_image_tokens)
     if add_generation_prompt:
       ids += [sp["assistant"], sp["think"]] + ([] if thinking else [sp["/think"]])
     return Rendered(ids=ids, images=images, num_image_tokens=len(images) * self.num_image_tokens)

@@ -97,11 +97,15 @@ def submit(app_state, prompt_ids: Sequence[int], images: Sequence[np.ndarray] | 
 
 
 def render(app_state, messages: list[Message], *, tools: Sequence[Tool], thinking: bool,
-           effort: str | None):
-  """Renders a conversation with the app's ChatRenderer; renderer ValueErrors become 400s."""
+           effort: str | None, continue_final: bool = False):
+  """Renders a conversation with the app's ChatRenderer; renderer ValueErrors become 400s.
+
+  continue_final: the last message is an assistant prefill the generation continues.
+  """
   try:
     return app_state.renderer.render(messages, tools=tools, effort=effort if thinking else None,
-                                     thinking=thinking, add_generation_prompt=True)
+                                     thinking=thinking, add_generation_prompt=True,
+                                     continue_final=continue_final)
   except ValueError as e:
     message = str(e)
     param = message.split(":", 1)[0] if message.startswith(("messages", "tools")) else None
@@ -131,7 +135,7 @@ def make_processor(app_state, *, thinking: bool, thinking_budget: int | None, st
 def start_generation(app_state, messages: list[Message], *, tools: Sequence[Tool] = (),
                      tool_choice: ToolChoice = AUTO, thinking: bool, thinking_budget: int | None,
                      effort: str | None, params: SamplingParams, stop: Sequence[str] = (),
-                     call_id_prefix: str = "call_"):
+                     call_id_prefix: str = "call_", continue_final: bool = False):
   """Renders, builds the output processor and submits one generation.
 
   Args:
@@ -144,6 +148,8 @@ def start_generation(app_state, messages: list[Message], *, tools: Sequence[Tool
     params: sampling parameters (max_tokens counts thinking).
     stop: stop strings on the answer text.
     call_id_prefix: "call_" (OpenAI) or "toolu_" (Anthropic).
+    continue_final: continue the final assistant message (prefill); the output
+      starts in the answer, after any thinking of that message.
 
   Returns:
     (handle, prompt_token_count, processor).
@@ -152,9 +158,11 @@ def start_generation(app_state, messages: list[Message], *, tools: Sequence[Tool
     APIError: a malformed conversation (400, naming the field).
     RequestError / OverloadedError: the engine refused it (the server maps them).
   """
-  rendered = render(app_state, messages, tools=tools, thinking=thinking, effort=effort)
+  rendered = render(app_state, messages, tools=tools, thinking=thinking, effort=effort,
+                    continue_final=continue_final)
   check_images(app_state, len(rendered.images), "messages")
-  processor = make_processor(app_state, thinking=thinking, thinking_budget=thinking_budget, stop=stop,
+  processor = make_processor(app_state, thinking=thinking and not continue_final,
+                             thinking_budget=thinking_budget, stop=stop,
                              tools=tools, tool_choice=tool_choice, call_id_prefix=call_id_prefix)
   handle = submit(app_state, rendered.ids, rendered.images, processor, params)
   return handle, len(rendered.ids), processor

@@ -215,3 +215,17 @@ def test_invalid_arguments(tok, renderer):
     ChatRenderer(tok, -1)
   with pytest.raises(ValueError, match="messages: expected a list"):
     renderer.render(user[0])
+
+
+def test_continue_final_drops_only_the_end_of_turn(tok, renderer):
+  """A prefill renders the final assistant message open, with no generation prompt after it."""
+  conv = _conversation()
+  reply = Message("assistant", [TextPart("The answer is")], thinking="add them")
+  full = renderer.render(conv + [reply], add_generation_prompt=False).ids
+  open_ = renderer.render(conv + [reply], continue_final=True).ids
+  assert open_ == full[:-1] and full[-1] == _sp(tok, "end_of_turn")
+  with pytest.raises(ValueError, match="continue_final"):
+    renderer.render(conv + [Message("user", [TextPart("x")])], continue_final=True)
+  with pytest.raises(ValueError, match="continue_final"):
+    renderer.render([Message("user", [TextPart("x")]),
+                     Message("assistant", tool_calls=[_call()])], continue_final=True)

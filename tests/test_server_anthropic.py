@@ -148,7 +148,14 @@ def test_parse_translation(serve_config):
      "no network"),
     (_body([{"role": "user", "content": "x"}], tools=TOOLS, tool_choice={"type": "tool", "name": "g"}),
      "tool_choice.name"),
-    (_body([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]), "prefill"),
+    (_body([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
+           thinking={"type": "enabled", "budget_tokens": 4}), "prefill) cannot be used with `thinking`"),
+    (_body([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y "}]),
+     "cannot end with trailing whitespace"),
+    (_body([{"role": "user", "content": "x"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}],
+           tools=TOOLS), "may only hold `text` blocks"),
+    (_body([{"role": "assistant", "content": ""}]), "at least one message"),
     (_body([{"role": "user", "content": []}]), "non-empty content"),
     (_body([{"role": "user", "content": "x"}], output_config={"effort": "huge"}), "output_config.effort"),
     (_body([{"role": "user", "content": "x"},
@@ -174,6 +181,34 @@ def test_create_message_and_count_tokens(client):
   assert 1 <= resp.usage.output_tokens <= 12
   count = client.messages.count_tokens(model="horizon", system=kw["system"], messages=kw["messages"])
   assert count.input_tokens == resp.usage.input_tokens
+
+
+def test_prefill_continues_the_final_assistant_message(client, engine):
+  """A final assistant message is continued: the reply holds only the continuation, and it is the
+  greedy continuation of exactly the rendered prefix (prompt without end of turn)."""
+  from serving.chat import ChatRenderer
+  from serving.engine import Request
+  from serving.types import Message, SamplingParams, TextPart
+
+  messages = [{"role": "user", "content": "def add(a, b):"},
+              {"role": "assistant", "content": "  return"}]
+  resp = _create(client, max_tokens=6, messages=messages)  # greedy (GREEDY extra_body)
+  assert resp.content and all(b.type == "text" for b in resp.content)
+  renderer = ChatRenderer(engine.tokenizer, engine.cfg.vision.num_patches)
+  conv = [Message("user", [TextPart("def add(a, b):")]), Message("assistant", [TextPart("  return")])]
+  prefix = renderer.render(conv, continue_final=True).ids
+  full = renderer.render(conv, add_generation_prompt=False).ids
+  assert full[:len(prefix)] == prefix and len(full) == len(prefix) + 1  # only the end of turn is gone
+  assert resp.usage.input_tokens == len(prefix)
+  ids, _, _ = engine.generate(Request(prompt_ids=prefix, params=SamplingParams(max_tokens=6, temperature=0)))
+  want = engine.tokenizer.decode([i for i in ids if i not in engine.default_stop_ids], skip_special=True)
+  assert "".join(b.text for b in resp.content) == want
+  count = client.messages.count_tokens(model="horizon", messages=messages)
+  assert count.input_tokens == len(prefix)
+  # An empty final assistant message is no prefill: a normal new turn.
+  plain = _create(client, max_tokens=4, messages=[messages[0], {"role": "assistant", "content": ""}])
+  assert plain.usage.input_tokens == client.messages.count_tokens(
+      model="horizon", messages=[messages[0]]).input_tokens
 
 
 def test_stop_sequence(client):
