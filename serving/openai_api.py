@@ -198,8 +198,12 @@ async def chat_completions(body: ChatRequest, request: fastapi.Request):
   tools, choice = convert_tools(body, int(config.serving.max_tools))
   decoder = ImageDecoder(state.model_cfg.vision, int(config.serving.max_images))
   messages = await run_in_threadpool(convert_messages, body.messages, decoder)
+  cont = body.continue_final_message
+  if cont and thinking.on:
+    raise APIError(400, "continue_final_message cannot be combined with reasoning_effort (thinking): the "
+                   "continued answer would have no thinking.", param="continue_final_message")
   rendered = await run_in_threadpool(generate.render, state, messages, tools=tools, thinking=thinking.on,
-                                     effort=thinking.effort)
+                                     effort=thinking.effort, continue_final=cont)
   generate.check_images(state, len(rendered.images), "messages")
   if body.max_completion_tokens is not None:
     given, param = body.max_completion_tokens, "max_completion_tokens"

@@ -108,6 +108,8 @@ class ChatRequest(_Sampling):
   max_completion_tokens: int | None = pydantic.Field(None, ge=1)
   response_format: dict[str, Any] | None = None
   top_logprobs: int | None = None
+  # vLLM's extension: continue the final assistant message instead of opening a new turn.
+  continue_final_message: bool = False
 
 
 class CompletionRequest(_Sampling):

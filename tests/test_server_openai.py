@@ -403,3 +403,23 @@ def test_32_concurrent_streams_equal_running_alone(server_url, engine):
   together, alone = asyncio.run(run())
   assert all(t[2] in ("stop", "length") for t in together)
   assert together == alone
+
+
+def test_continue_final_message(client, engine, renderer):
+  """vLLM's continue_final_message: the final assistant message is continued, not a new turn."""
+  from serving.engine import Request
+  from serving.types import Message, SamplingParams, TextPart
+
+  msgs = _user("def add(a, b):") + [{"role": "assistant", "content": "  return"}]
+  r = client.chat.completions.create(model="m", messages=msgs, max_tokens=6, temperature=0,
+                                     extra_body={"continue_final_message": True})
+  conv = [Message("user", [TextPart("def add(a, b):")]), Message("assistant", [TextPart("  return")])]
+  prefix = renderer.render(conv, continue_final=True).ids
+  assert r.usage.prompt_tokens == len(prefix)
+  ids, _, _ = engine.generate(Request(prompt_ids=prefix, params=SamplingParams(max_tokens=6, temperature=0)))
+  want = engine.tokenizer.decode([i for i in ids if i not in engine.default_stop_ids], skip_special=True)
+  assert (r.choices[0].message.content or "") == want
+  with pytest.raises(openai.BadRequestError) as e:
+    client.chat.completions.create(model="m", messages=_user("x"), max_tokens=2,
+                                   extra_body={"continue_final_message": True})
+  assert "continue_final" in e.value.body["message"]
