@@ -11,6 +11,7 @@ import dataclasses
 import math
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 LAYER_KINDS = ("dsa", "delta")
@@ -140,7 +141,6 @@ class ModelConfig:
   def use_pallas(self) -> bool:
     """Whether the Pallas kernels run ("auto": on TPU/GPU, not on CPU)."""
     if self.kernels == "auto":
-      import jax  # noqa: PLC0415 - backend query only when asked
       return jax.default_backend() in ("tpu", "gpu")
     return self.kernels == "pallas"
 
