@@ -128,8 +128,11 @@ def test_sharded_init_layout_and_optimizer_state(cfg):
 # ---- the model on every mesh ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("shape", MESHES, ids=lambda s: "x".join(map(str, s)))
-def test_loss_and_grads_match_single_device(cfg, reference, shape):
+def _step_on_mesh(cfg, shape, with_jaxpr: bool = False):
+  """One compiled loss+grad step of `cfg` sharded on a mesh of `shape`.
+
+  Returns (model, compiled, (loss, dropped, grads), the step's jaxpr text or None).
+  """
   mesh = _mesh(shape)
   tokens = _tokens(cfg)
   with mesh_lib.activate(mesh):
@@ -138,14 +141,26 @@ def test_loss_and_grads_match_single_device(cfg, reference, shape):
     tok = jax.device_put(tokens, NamedSharding(mesh, rules_lib.activation_spec(
         ("batch", "length"), tokens.shape, dict(mesh.shape))))
     compiled = _step.lower(graphdef, state, tok).compile()
-    loss, dropped, grads = compiled(state, tok)
-  assert float(jnp.sum(dropped)) == 0.0
-  assert_close(loss, reference["loss"], what=f"loss {shape}")
+    out = compiled(state, tok)
+    jaxpr = (str(jax.make_jaxpr(lambda s, t: _grads(graphdef, s, t))(state, tok))
+             if with_jaxpr else None)
+  return model, compiled, out, jaxpr
+
+
+def _assert_matches_reference(loss, grads, reference, what: str) -> None:
+  assert_close(loss, reference["loss"], what=f"loss {what}")
   ref = jax.tree_util.tree_leaves_with_path(reference["grads"])
   got = jax.tree.leaves(grads)
   assert len(ref) == len(got)
   for (path, r), g in zip(ref, got, strict=True):
-    assert_close(jax.device_get(g), r, what=f"grad {jax.tree_util.keystr(path)} {shape}")
+    assert_close(jax.device_get(g), r, what=f"grad {jax.tree_util.keystr(path)} {what}")
+
+
+@pytest.mark.parametrize("shape", MESHES, ids=lambda s: "x".join(map(str, s)))
+def test_loss_and_grads_match_single_device(cfg, reference, shape):
+  model, compiled, (loss, dropped, grads), _ = _step_on_mesh(cfg, shape)
+  assert float(jnp.sum(dropped)) == 0.0
+  _assert_matches_reference(loss, grads, reference, str(shape))
   # Experts are really distributed: E/ep per device, and no device ever holds
   # the whole [E, d, f] tensor during the step (the per-device HLO has no
   # array of that shape, while the single-device program does).
@@ -166,20 +181,8 @@ def test_pallas_kernels_run_per_shard_and_match_single_device(cfg, reference):
   import dataclasses
 
   pcfg = dataclasses.replace(cfg, kernels="pallas")
-  mesh = _mesh((2, 1, 2, 2))
-  tokens = _tokens(cfg)
-  with mesh_lib.activate(mesh):
-    model = create_sharded_model(lambda: Horizon(pcfg, rngs=nnx.Rngs(3)), mesh)
-    graphdef, state = nnx.split(model)
-    tok = jax.device_put(tokens, NamedSharding(mesh, rules_lib.activation_spec(
-        ("batch", "length"), tokens.shape, dict(mesh.shape))))
-    compiled = _step.lower(graphdef, state, tok).compile()
-    loss, _, grads = compiled(state, tok)
-    jaxpr = str(jax.make_jaxpr(lambda s, t: _grads(graphdef, s, t))(state, tok))
-  assert_close(loss, reference["loss"], what="loss, pallas on mesh (2,1,2,2)")
-  ref = jax.tree_util.tree_leaves_with_path(reference["grads"])
-  for (path, r), g in zip(ref, jax.tree.leaves(grads), strict=True):
-    assert_close(jax.device_get(g), r, what=f"grad {jax.tree_util.keystr(path)} (pallas, mesh)")
+  _, _, (loss, _, grads), jaxpr = _step_on_mesh(pcfg, (2, 1, 2, 2), with_jaxpr=True)
+  _assert_matches_reference(loss, grads, reference, "(pallas, mesh (2,1,2,2))")
   # The kernels ran inside shard_map, on per-device shards.
   assert "shard_map" in jaxpr and "pallas_call" in jaxpr
 

@@ -71,18 +71,15 @@ def _with_grad(rule):
   return jax.grad(loss, argnums=tuple(range(5)))
 
 
-def _bench_one(n: int, args: argparse.Namespace) -> dict:
-  x = _inputs(n, args.batch, args.heads, args.kd, args.vd)
-  rules = {
-      "chunked": lambda *a: chunk_gated_delta_rule(*a, chunk_size=args.chunk),
-      "recurrent": recurrent_gated_delta_rule,
-  }
-  wrap = _with_grad if args.mode == "fwd_bwd" else (lambda rule: rule)
-  forms = {name: jax.jit(wrap(rule)) for name, rule in rules.items()}
-  row = {"n": n}
-  runnable = {}
+def measure_forms(forms: dict, x: tuple, reps: int) -> tuple[dict, dict]:
+  """Compiles each form (not timed), records planned bytes, times those that fit, interleaved.
+
+  Returns (row with {name}_bytes / {name}_s / {name}_min_s / {name}_skipped,
+  {name: compiled program} of the forms that ran).
+  """
+  row, runnable = {}, {}
   for name, fn in forms.items():
-    compiled = fn.lower(*x).compile()
+    compiled = jax.jit(fn).lower(*x).compile()
     peak = compiled_peak_bytes(compiled)
     row[f"{name}_bytes"] = peak
     row[f"{name}_s"] = None
@@ -91,8 +88,20 @@ def _bench_one(n: int, args: argparse.Namespace) -> dict:
       row[f"{name}_skipped"] = skipped
     else:
       runnable[name] = compiled
-  for name, (median, best) in _time_interleaved(runnable, x, args.reps).items():
+  for name, (median, best) in _time_interleaved(runnable, x, reps).items():
     row[f"{name}_s"], row[f"{name}_min_s"] = median, best
+  return row, runnable
+
+
+def _bench_one(n: int, args: argparse.Namespace) -> dict:
+  x = _inputs(n, args.batch, args.heads, args.kd, args.vd)
+  rules = {
+      "chunked": lambda *a: chunk_gated_delta_rule(*a, chunk_size=args.chunk),
+      "recurrent": recurrent_gated_delta_rule,
+  }
+  wrap = _with_grad if args.mode == "fwd_bwd" else (lambda rule: rule)
+  row, _ = measure_forms({name: wrap(rule) for name, rule in rules.items()}, x, args.reps)
+  row = {"n": n, **row}
   if row["chunked_s"] and row["recurrent_s"]:
     row["speedup"] = row["recurrent_s"] / row["chunked_s"]
   return row

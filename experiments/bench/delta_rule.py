@@ -26,8 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.bench.common import compiled_peak_bytes, skip_message
-from experiments.bench.delta_chunked_vs_recurrent import _inputs, _time_interleaved, _with_grad
+from experiments.bench.delta_chunked_vs_recurrent import _inputs, _with_grad, measure_forms
 from model.attention.delta_rule import chunk_gated_delta_rule as xla_rule
 from pallas_kernels.delta_rule import chunk_gated_delta_rule as pallas_rule
 
@@ -51,20 +50,8 @@ def _bench_one(n: int, args: argparse.Namespace) -> dict:
       "xla": lambda *a: xla_rule(*a, reset=reset, chunk_size=args.chunk),
   }
   wrap = _with_grad if args.mode == "fwd_bwd" else (lambda rule: rule)
-  row = {"n": n}
-  runnable = {}
-  for name, rule in rules.items():
-    compiled = jax.jit(wrap(rule)).lower(*x).compile()
-    peak = compiled_peak_bytes(compiled)
-    row[f"{name}_bytes"] = peak
-    row[f"{name}_s"] = None
-    skipped = skip_message(peak, SKIP_BYTES)
-    if skipped:
-      row[f"{name}_skipped"] = skipped
-    else:
-      runnable[name] = compiled
-  for name, (median, best) in _time_interleaved(runnable, x, args.reps).items():
-    row[f"{name}_s"], row[f"{name}_min_s"] = median, best
+  row, runnable = measure_forms({name: wrap(rule) for name, rule in rules.items()}, x, args.reps)
+  row = {"n": n, **row}
   if row["kernel_s"] and row["xla_s"]:
     row["speedup"] = row["xla_s"] / row["kernel_s"]
     row["max_rel_err"] = _max_rel_err(runnable["kernel"](*x), runnable["xla"](*x))
