@@ -3,6 +3,10 @@
     python -m experiments.pretrain --config=configs/pretrain.py:tiny --workdir=/tmp/horizon_tiny
     python -m experiments.pretrain --config=configs/pretrain.py:small --workdir=gs://bucket/run \
         --config.train.steps=20000 --config.mesh.fsdp=-1
+    # 8 fake CPU devices, experts over 4 of them, raw-byte data (no tokenizer, no preparation):
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m experiments.pretrain \
+        --config=configs/pretrain.py:tiny_sharded --workdir=/tmp/horizon_mesh \
+        --config.data.pipeline=bytes --config.mesh.fsdp=1 --config.mesh.expert=4
 
 Every default lives here or in configs/horizon.py, once.
 """
@@ -16,6 +20,12 @@ VARIANTS = horizon.VARIANTS
 
 def _data() -> ml_collections.ConfigDict:
   d = ml_collections.ConfigDict()
+  # Where batches come from (training/batches.py): "grain" = the sources below,
+  # tokenized into shards and read by the grain pipeline; "bytes" = the
+  # standard library's source as raw bytes (ids 0..255), addressed by
+  # (shuffle_seed, step, row), so any number of processes builds the same
+  # global batch (the multi-host test relies on it).
+  d.pipeline = "grain"
   # tokenizer.json / tiktoken file; "" = the bundled one for the variant
   # (training/assets/tokenizer_<tiny|small>.json; `full` needs a path).
   d.tokenizer = ""
@@ -25,7 +35,7 @@ def _data() -> ml_collections.ConfigDict:
   d.sources = "stdlib=1.0"
   d.prepared_dir = ""  # ArrayRecord shards + manifest; "" = <workdir>/data
   d.max_docs = 0  # per source, 0 = all (a cap for smoke runs)
-  d.shuffle_seed = 0
+  d.shuffle_seed = 0  # grain: shuffling and mixing; bytes: the window offsets
   d.packing = "concat"  # "concat" (no padding) | "first_fit" (whole documents, padded)
   return d
 

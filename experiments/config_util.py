@@ -1,16 +1,13 @@
-"""Config loading shared by the launchers: `--config=configs/<file>.py:<variant>`."""
+"""The `--config=configs/<file>.py:<variant>` flag shared by the launchers (absl glue, no logic)."""
 
+from absl import flags
 from ml_collections import config_flags
 
-from model.config import ModelConfig
 
-
-def define_config_flag():
-  return config_flags.DEFINE_config_file(
+def define_config_flag(required: bool = True):
+  """Defines --config (a configs/*.py file and variant, `--config.x.y=...` overrides)."""
+  holder = config_flags.DEFINE_config_file(
       "config", None, "Config file and variant, e.g. configs/horizon.py:tiny.", lock_config=True)
-
-
-def model_config(config) -> ModelConfig:
-  if config is None:
-    raise SystemExit("--config is required, e.g. --config=configs/horizon.py:tiny")
-  return ModelConfig.from_config(config.model)
+  if required:
+    flags.mark_flag_as_required("config")
+  return holder

@@ -9,7 +9,8 @@ import json
 
 from absl import app
 
-from experiments.config_util import define_config_flag, model_config
+from experiments.config_util import define_config_flag
+from model.config import model_config
 from model.param_count import count_parameters
 
 _CONFIG = define_config_flag()

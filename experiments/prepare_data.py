@@ -21,7 +21,8 @@ import time
 
 from absl import app, flags
 
-from experiments.config_util import define_config_flag, model_config
+from experiments.config_util import define_config_flag
+from model.config import model_config
 from training import data
 from training.tokenizer import default_tokenizer_path, load_tokenizer
 

@@ -1,22 +1,26 @@
-"""Pretraining launcher: tokenizer -> prepared data -> sharded train loop -> checkpoints + metrics.
+"""Pretraining launcher: one config, any mesh, one or many processes (training/loop.py).
 
     python -m experiments.pretrain --config=configs/pretrain.py:tiny --workdir=/tmp/horizon_tiny
     # overrides: --config.train.steps=1000 --config.mesh.expert=4 --config.data.sources='stdlib=1.0'
-    # many hosts: add --coordinator_address=HOST0:1234 --num_processes=N --process_id=I
+    # 8 fake CPU devices, 2-way data x 4-way expert parallelism, raw-byte data:
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m experiments.pretrain \
+        --config=configs/pretrain.py:tiny_sharded --workdir=/tmp/horizon_mesh \
+        --config.data.pipeline=bytes --config.mesh.data=2 --config.mesh.fsdp=1 --config.mesh.expert=4
+    # many hosts: the same command on each, plus
+    #   --coordinator_address=HOST0:1234 --num_processes=N --process_id=I
+    # (or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID; --distributed=on
+    # discovers them on TPU pods, SLURM, Open MPI)
 
-What happens (training/loop.py):
-  1. The tokenizer is loaded (config.data.tokenizer, default: the bundled one)
-     and checked against config.model (vocab size, <|image|> id).
-  2. Process 0 tokenizes config.data.sources into ArrayRecord shards under
-     config.data.prepared_dir (default <workdir>/data); a no-op when up to date.
-  3. The model and AdamW state are created sharded on the mesh of config.mesh;
-     if <workdir>/checkpoints holds a checkpoint, everything (weights,
-     optimizer, step, RNG, data iterator position) resumes from the latest.
-  4. The grain pipeline (shuffled, mixed, packed, this process's share of each
-     global batch) feeds the jitted train step; metrics go to the console,
-     <workdir>/metrics.jsonl and TensorBoard; checkpoints are saved
-     asynchronously every config.checkpoint.every steps and at the end.
-workdir may be a local path or a URL (gs://, s3://).
+Data (config.data.pipeline, training/batches.py): 'grain' tokenizes
+config.data.sources into shards under config.data.prepared_dir (default
+<workdir>/data) and streams them; 'bytes' trains on the standard library's
+raw bytes, the same global batch for any number of processes. The model and
+AdamW state are sharded on config.mesh; everything resumes from the latest
+checkpoint in <workdir>/checkpoints. Metrics go to the console,
+<workdir>/metrics.jsonl (one JSON object per logged step) and TensorBoard.
+Process 0 prints, last, one JSON line: the run summary with the per-step
+`losses`, `processes` and `devices`. workdir may be a local path or a URL
+(gs://, s3://).
 """
 
 from __future__ import annotations
@@ -26,19 +30,28 @@ import json
 import jax
 from absl import app, flags
 
-from experiments import distributed
 from experiments.config_util import define_config_flag
+from sharding import distributed
 from training.loop import run
 
 _CONFIG = define_config_flag()
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (local path or URL).")
+_COORD = flags.DEFINE_string("coordinator_address", None,
+                             "host:port of process 0 (env JAX_COORDINATOR_ADDRESS).")
+_NPROC = flags.DEFINE_integer("num_processes", None, "Number of processes (env JAX_NUM_PROCESSES).")
+_PID = flags.DEFINE_integer("process_id", None, "This process's id (env JAX_PROCESS_ID).")
+_LOCAL = flags.DEFINE_string("local_device_ids", None,
+                             "Comma list of local device ids (env JAX_LOCAL_DEVICE_IDS).")
+_MODE = flags.DEFINE_enum("distributed", "auto", list(distributed.MODES),
+                          "Call jax.distributed.initialize: auto (when addresses are given), on, off.")
 
 
 def main(argv):
   del argv
   if not _WORKDIR.value:
     raise app.UsageError("--workdir is required (a local path or a gs:// / s3:// URL).")
-  distributed.initialize()
+  distributed.initialize(_MODE.value, coordinator_address=_COORD.value, num_processes=_NPROC.value,
+                         process_id=_PID.value, local_device_ids=_LOCAL.value)
   summary = run(_CONFIG.value, _WORKDIR.value)
   if jax.process_index() == 0:
     print(json.dumps(summary), flush=True)

@@ -46,8 +46,6 @@ def _out_path(config) -> str:
 def main(argv):
   del argv
   config = _CONFIG.value
-  if config is None:
-    raise SystemExit("--config is required, e.g. --config=configs/horizon.py:tiny")
   vocab, image = config.model.vocab_size, config.model.image_token_id
   out = _out_path(config)
   texts = tok_lib.stdlib_training_texts(_MAX_BYTES.value)

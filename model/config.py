@@ -203,3 +203,11 @@ class ModelConfig:
       if v.width % v.num_heads:
         raise ConfigError(f"config.model.vision.width={v.width} is not divisible by "
                           f"num_heads={v.num_heads}.")
+
+
+def model_config(config: Any) -> ModelConfig:
+  """The validated ModelConfig of a whole run config (a configs/*.py result): its `model` section."""
+  if config is None or not hasattr(config, "model"):
+    raise ConfigError(f"config {type(config).__name__} has no `model` section; load a configs/*.py "
+                      "file, e.g. --config=configs/horizon.py:tiny.")
+  return ModelConfig.from_config(config.model)

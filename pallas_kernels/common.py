@@ -1,21 +1,29 @@
-"""Backend selection and tile arithmetic shared by the Pallas kernels.
+"""Argument checks, padding and tile arithmetic shared by the Pallas kernels and their references.
 
-Every kernel has a TPU body (Mosaic) and a GPU body (Triton). `interpret=None`
-means: interpret mode on a CPU host (tests, CI), compiled on TPU/GPU.
+Only jax.numpy: the references (and the model, which imports them) use these helpers without
+loading Pallas. Backend selection, which needs Pallas, is in backend.py.
 """
 
 from __future__ import annotations
 
 import jax
-from jax.experimental.pallas import tpu as pltpu
-
-BACKENDS = ("tpu", "triton")
+import jax.numpy as jnp
 
 
 def need(cond: bool, msg: str) -> None:
-  """Raises ValueError(msg) unless cond: the argument checks of every ops.py."""
+  """Raises ValueError(msg) unless cond: the argument checks of every ops.py and reference.py."""
   if not cond:
     raise ValueError(msg)
+
+
+def pad_axis1(x: jax.Array, size: int, value) -> jax.Array:
+  """Pads axis 1 of x up to `size` with `value`."""
+  extra = size - x.shape[1]
+  if extra == 0:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[1] = (0, extra)
+  return jnp.pad(x, widths, constant_values=value)
 
 
 def is_pow2(x) -> bool:
@@ -31,18 +39,3 @@ def round_up(x: int, m: int) -> int:
 def next_pow2(x: int, floor: int = 1) -> int:
   """The smallest power of two >= max(x, floor) (Triton tensor sizes; dots need >= 16)."""
   return max(floor, 1 << max(0, x - 1).bit_length())
-
-
-def resolve_backend(backend: str | None) -> str:
-  """None -> "tpu" on a TPU, else "triton" (GPU, or its interpret mode on CPU)."""
-  if backend is None:
-    return "tpu" if jax.default_backend() == "tpu" else "triton"
-  need(backend in BACKENDS, f"backend={backend!r}: choose one of {BACKENDS} (or None for the default).")
-  return backend
-
-
-def resolve_interpret(interpret):
-  """None -> interpret on CPU only; a pltpu.InterpretParams passes through (TPU body)."""
-  if interpret is None:
-    return jax.default_backend() == "cpu"
-  return interpret if isinstance(interpret, pltpu.InterpretParams) else bool(interpret)

@@ -4,8 +4,8 @@ Follows https://docs.anthropic.com/en/api/messages and its streaming spec
 (https://docs.anthropic.com/en/docs/build-with-claude/streaming) so that code
 written for the official `anthropic` SDK works by changing only `base_url`.
 The request is translated by `serving.anthropic_request` into Horizon's chat
-types, generated through the shared glue (`serving.generate`), and the
-engine's deltas (thinking, text, complete tool calls) become content blocks:
+types, generated through the shared glue (`serving.prepare`, `serving.run`),
+and the engine's deltas (thinking, text, complete tool calls) become content blocks:
 
   * `thinking` first whenever thinking is on (even when empty), closed with a
     `signature` (HMAC-SHA256, serving/signing.py) the server checks when the
@@ -26,7 +26,7 @@ the connection open. An engine failure mid-stream sends Anthropic's `error`
 event. The non-streaming body is built from the same block builder, so a
 streamed message accumulated by the SDK equals the non-streamed one.
 
-Errors are raised as `serving.generate.APIError`; serving/server.py shapes
+Errors are raised as `serving.errors.APIError`; serving/server.py shapes
 them (and auth, body size, engine refusals) as `{"type": "error", "error":
 {"type", "message"}}` for these paths.
 """
@@ -43,10 +43,12 @@ import fastapi
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from serving import generate, images, signing
+from serving import images, prepare, run, signing
 from serving.anthropic_request import InvalidRequest, ParsedRequest, parse_request
 from serving.api_common import generation_failure
-from serving.generate import APIError, EventStreamResponse, sse
+from serving.context import Context, ServerContext
+from serving.errors import APIError
+from serving.run import EventStreamResponse, sse
 from serving.types import Delta, TextDelta, ThinkingDelta, ToolCallDelta, Usage
 
 router = fastapi.APIRouter()
@@ -62,7 +64,7 @@ class ContentBuilder:
   """Turns a request's deltas into Anthropic content blocks and their stream events.
 
   Args:
-    key: the signing key (app.state.signing_key).
+    key: the signing key (ServerContext.signing_key).
     thinking: thinking is on: the content starts with a thinking block.
     display: "summarized": thinking text + HMAC signature; "omitted": empty
       text, the sealed thinking as signature; "redacted": `redacted_thinking`
@@ -156,7 +158,7 @@ class ContentBuilder:
 
 
 def stop_reason(processor, finish_reason: str) -> str:
-  """Final finish reason (generate.stream_events: a turn that called tools ended 'tool_calls')
+  """Final finish reason (run.stream_events: a turn that called tools ended 'tool_calls')
   -> Anthropic stop_reason."""
   if finish_reason == "stop" and processor.stop_sequence is not None:
     return "stop_sequence"
@@ -182,48 +184,46 @@ def _message(msg_id: str, model: str, content: list[dict[str, Any]], reason: str
 
 
 # ---- request handling ----------------------------------------------------------
-def _image_decoder(state):
+def _image_decoder(ctx: ServerContext):
   """Base64 image -> float32 [H, W, C] at the loaded model's image size."""
-  cfg = getattr(state, "model_cfg", None) or state.engine.cfg
-  size, channels = int(cfg.vision.image_size), int(cfg.vision.num_channels)
+  vision = ctx.model_cfg.vision
+  size, channels = int(vision.image_size), int(vision.num_channels)
   return lambda data: images.decode_image(data, size, channels)
 
 
-async def _parse(request: fastapi.Request, *, count_only: bool) -> ParsedRequest:
+async def _parse(request: fastapi.Request, ctx: ServerContext, *, count_only: bool) -> ParsedRequest:
+  """The validated request (serving/anthropic_request.py); its InvalidRequest becomes an APIError."""
   try:
     body = await request.json()
   except (json.JSONDecodeError, UnicodeDecodeError) as e:
     raise APIError(400, f"The request body is not valid JSON: {e}.") from None
-  state = request.app.state
   try:  # off the event loop: image decoding and HMACs over long histories take a while
-    return await run_in_threadpool(parse_request, body, serving=state.config.serving,
-                                   key=state.signing_key, decode_image=_image_decoder(state),
-                                   count_only=count_only)
+    return await run_in_threadpool(parse_request, body, serving=ctx.limits, key=ctx.signing_key,
+                                   decode_image=_image_decoder(ctx), count_only=count_only)
   except InvalidRequest as e:
     raise APIError(e.status, e.message) from None
 
 
-def _start(state, req: ParsedRequest):
-  return generate.start_generation(
-      state, req.messages, tools=req.tools, tool_choice=req.tool_choice, thinking=req.thinking,
+def _start(ctx: ServerContext, req: ParsedRequest):
+  return run.start_generation(
+      ctx, req.messages, tools=req.tools, tool_choice=req.tool_choice, thinking=req.thinking,
       thinking_budget=req.thinking_budget, effort=req.effort, params=req.params, stop=req.stop,
       call_id_prefix="toolu_", continue_final=req.prefill)
 
 
 @router.post("/v1/messages")
-async def create_message(request: fastapi.Request):
-  state = request.app.state
-  req = await _parse(request, count_only=False)
-  handle, n_prompt, processor = _start(state, req)
+async def create_message(request: fastapi.Request, ctx: Context):
+  req = await _parse(request, ctx, count_only=False)
+  handle, n_prompt, processor = _start(ctx, req)
   msg_id = "msg_" + secrets.token_hex(12)
-  builder = ContentBuilder(state.signing_key, thinking=req.thinking, display=req.thinking_display)
+  builder = ContentBuilder(ctx.signing_key, thinking=req.thinking, display=req.thinking_display)
   if req.stream:
-    return EventStreamResponse(_stream(handle, processor, builder, msg_id, state.model_name, n_prompt),
+    return EventStreamResponse(_stream(handle, processor, builder, msg_id, ctx.model_name, n_prompt),
                                [handle])
-  watcher = asyncio.ensure_future(generate._watch_disconnect(request, [handle]))
+  watcher = asyncio.ensure_future(run.watch_disconnect(request, [handle]))
   last = None
   try:
-    async for event in generate.stream_events(handle):
+    async for event in run.stream_events(handle):
       for delta in event.deltas:
         builder.feed(delta)
       last = event
@@ -233,14 +233,14 @@ async def create_message(request: fastapi.Request):
   if error is not None:
     raise error
   builder.finish()
-  return JSONResponse(_message(msg_id, state.model_name, builder.content,
+  return JSONResponse(_message(msg_id, ctx.model_name, builder.content,
                                stop_reason(processor, last.finish_reason), processor.stop_sequence,
                                usage_json(last.usage)))
 
 
 async def _events_or_pings(handle) -> AsyncIterator[Any]:
   """The handle's events, with None whenever PING_INTERVAL_S passed without one."""
-  events = generate.stream_events(handle).__aiter__()
+  events = run.stream_events(handle).__aiter__()
   pending = None
   try:
     while True:
@@ -291,10 +291,9 @@ async def _stream(handle, processor, builder: ContentBuilder, msg_id: str, model
 
 
 @router.post("/v1/messages/count_tokens")
-async def count_tokens(request: fastapi.Request):
+async def count_tokens(request: fastapi.Request, ctx: Context):
   """The prompt's token count: exactly `usage.input_tokens` of the same messages.create."""
-  state = request.app.state
-  req = await _parse(request, count_only=True)
-  rendered = generate.render(state, req.messages, tools=req.tools, thinking=req.thinking, effort=req.effort,
-                             continue_final=req.prefill)
+  req = await _parse(request, ctx, count_only=True)
+  rendered = prepare.render(ctx, req.messages, tools=req.tools, thinking=req.thinking, effort=req.effort,
+                            continue_final=req.prefill)
   return JSONResponse({"input_tokens": len(rendered.ids)})

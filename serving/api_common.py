@@ -13,9 +13,13 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from serving.generate import OPENAI_EFFORT_TIERS as EFFORT_TIERS
-from serving.generate import APIError
+from serving.errors import APIError
 from serving.types import Tool, ToolChoice
+
+# Effort name -> thinking tier (None = thinking off), issue 5 / serving_spec.md. OpenAI's
+# reasoning_effort and Anthropic's output_config.effort use the same names.
+EFFORT_TIERS: dict[str, str | None] = {"none": None, "minimal": None, "low": "low", "medium": "high",
+                                       "high": "high", "xhigh": "max", "max": "max"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +39,7 @@ def effort_thinking(effort: str | None, serving: Any) -> ThinkingSettings:
   Args:
     effort: a key of EFFORT_TIERS (each front-end validates its request field first), or None
       for `config.serving.default_effort`.
-    serving: `config.serving`.
+    serving: `config.serving` or the server's `Limits` (thinking_budgets, default_effort).
   Raises:
     APIError: 500, a default_effort that is not an effort name.
   """

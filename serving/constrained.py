@@ -12,7 +12,8 @@ Guided Generation for Large Language Models" -- Outlines; Geng et al., 2023,
 token, every vocabulary token whose text cannot extend the output towards a valid document
 is masked out. Outlines compiles a regex into a token-level FSM ahead of time; JSON schemas
 nest and count (string lengths, item counts), so here a small pushdown automaton over
-*characters* (serving.json_automaton: which texts, which schema subset, the bounds) runs
+*characters* (serving.json_automaton: which texts; serving.schema_compiler: which schema
+subset, the bounds) runs
 instead, and the masks of the states actually reached are computed lazily and memoised.
 The JSON is canonical -- json.dumps(json.loads(text), separators=(", ", ": ")) == text --
 so a constrained call re-renders into history as the same text; bounded sizes make every
@@ -44,6 +45,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from serving import json_automaton as automaton
+from serving import schema_compiler
 from serving.json_automaton import validate_arguments
 from serving.types import Tool, ToolChoice
 from training.tokenizer import Tokenizer
@@ -181,9 +183,9 @@ def _vocab(key: _TokKey) -> _Vocab:
 
 
 @functools.lru_cache(maxsize=64)
-def _grammar(key: _TokKey, spec: str, bounds: automaton.Bounds) -> _Grammar:
+def _grammar(key: _TokKey, spec: str, bounds: schema_compiler.Bounds) -> _Grammar:
   """spec: JSON [[index in tools, name, parameters], ...] of the callable tools."""
-  return _Grammar(_vocab(key), automaton.compile_tools(json.loads(spec), bounds))
+  return _Grammar(_vocab(key), schema_compiler.compile_tools(json.loads(spec), bounds))
 
 
 # ----------------------------------------------------------------- public API --
@@ -233,7 +235,7 @@ class ToolCallConstraint:
       spec = json.dumps([[i, t.name, t.parameters] for i, t in chosen])
     except (TypeError, ValueError) as e:
       raise ValueError(f"tools[*].parameters must be JSON: {e}") from None
-    bounds = automaton.Bounds(max_string_chars, max_array_items, max_number_chars, max_depth)
+    bounds = schema_compiler.Bounds(max_string_chars, max_array_items, max_number_chars, max_depth)
     self._grammar = _grammar(_TokKey(tokenizer), spec, bounds)
     self._stack: tuple = (self._grammar.root.initial(),)
 

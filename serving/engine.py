@@ -16,24 +16,14 @@ One background thread loops:
      the requests' processors and deliver events; finished slots are freed
      at once and refilled at the next iteration.
 
-Why prefill and decode are separate calls with fixed shapes: a request's
-numerics must not depend on what else runs. Every computation in the model is
-per row (attention, the delta rule, dropless MoE whose per-token result does
-not depend on the other tokens' routing), each jitted program has one shape
-(the prefill always takes image patches, zeros when a chunk has none), and
-sampling is `vmap`ped per row with a per-request key
-`fold_in(fold_in(PRNGKey(seed), 0), n_generated)`; so the same request and
-seed give bit-identical tokens alone or among others, in any slot
-(tests/test_engine.py; checked on XLA:CPU in f32 and bf16, where MoE runs the
-'blocked' grouped matmul). On TPU/GPU this relies on XLA's native ragged dot
-computing each row independently of where the expert-group boundaries fall.
-
-The model is split once (`nnx.split`); the jitted functions take its state as
-an argument (so `update_weights` swaps weights without recompiling) and
-donate the decode state. Under `jit` the model silently drops cache writes
-beyond `max_len`, so the engine bounds every row: a request needs
-`len(prompt) + max_tokens <= max_context` and a row finishes with 'length'
-before it could overflow.
+Why prefill and decode are separate calls with fixed shapes (a request's
+numerics must not depend on what else runs): serving/batch.py, which holds
+the per-slot state and the jitted programs. The model is split once
+(`nnx.split`) so `update_weights` swaps weights without recompiling. Under
+`jit` the model silently drops cache writes beyond `max_len`, so the engine
+bounds every row: a request needs `len(prompt) + max_tokens <= max_context`
+(serving/admission.py) and a row finishes with 'length' before it could
+overflow.
 
 Sync and async consumers: `Handle.events()` blocks on a queue;
 `Handle.aevents()` receives events through `loop.call_soon_threadsafe` on
@@ -46,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import logging
 import threading
 import time
@@ -58,68 +47,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from model.decoder import reset_cache_rows
+from serving import batch
+from serving.admission import validate_request
+from serving.batch import Slot
 from serving.handle import Event, Handle, OverloadedError, Request, RequestError
 from serving.metrics import EngineMetrics
-from serving.sampling import sample_rows
-from serving.types import Delta, SamplingParams, TokenProcessor, Usage
+from serving.types import Delta, SamplingParams, Usage
 
 __all__ = ["Engine", "Event", "Handle", "OverloadedError", "Request", "RequestError", "build_engine"]
 
 _log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class _Slot:
-  """A request occupying one batch row."""
-  handle: Handle
-  prompt: np.ndarray  # int32 [P]
-  stop_ids: frozenset[int]
-  seed: int
-  patches: np.ndarray | None = None  # f32 [m * num_patches, d]: encoded at admission
-  fed: int = 0  # prompt tokens prefilled so far
-  images_fed: int = 0  # image placeholders prefilled so far
-  cache_len: int = 0  # tokens in this row's decode state
-  generated: list[int] = dataclasses.field(default_factory=list)
-  pending: int | None = None  # the last sampled token, fed by the next decode step
-  last_time: float = 0.0
-
-  @property
-  def params(self) -> SamplingParams:
-    return self.handle.request.params
-
-  @property
-  def processor(self) -> TokenProcessor | None:
-    return self.handle.request.processor
-
-
-# ---- jitted functions (pure; the model enters as graphdef + state) ------------------
-
-
-def _compile(graphdef: nnx.GraphDef) -> dict[str, Any]:
-  """The engine's jitted programs; the decode state (argument 1) is donated."""
-
-  def prefill(state, cache, tokens, lengths, image_embeds):
-    model = nnx.merge(graphdef, state)
-    logits, cache = model.prefill(tokens, lengths, cache, image_embeds=image_embeds)
-    last = jnp.take_along_axis(logits, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)
-    return last[:, 0], cache
-
-  def decode(state, cache, tokens, valid):
-    # decode_step's maths (a one-token prefill) with a valid mask instead of all-ones, so rows
-    # that are idle or still prefilling are left untouched.
-    model = nnx.merge(graphdef, state)
-    logits, cache = model.prefill(tokens[:, None], valid.astype(jnp.int32), cache)
-    return logits[:, 0], cache
-
-  def encode(state, images):
-    return nnx.merge(graphdef, state).encode_images(images)
-
-  return {"prefill": jax.jit(prefill, donate_argnums=(1,)),
-          "decode": jax.jit(decode, donate_argnums=(1,)),
-          "reset": jax.jit(reset_cache_rows, donate_argnums=(0,)),
-          "encode": jax.jit(encode),
-          "sample": jax.jit(sample_rows)}
 
 
 # ---- the engine -------------------------------------------------------------------
@@ -157,9 +94,9 @@ class Engine:
     self.default_stop_ids = (tokenizer.eos_id, tokenizer.special_id("end_of_turn"))
     self.metrics = EngineMetrics(slots, max_context)
     self._graphdef, self._state = nnx.split(model)
-    self._fns = _compile(self._graphdef)
+    self._fns = batch.compile_programs(self._graphdef)
     self._cache = model.init_cache(slots, max_context)
-    self._rows: list[_Slot | None] = [None] * slots
+    self._rows: list[Slot | None] = [None] * slots
     self._waiting: collections.deque[Handle] = collections.deque()
     self._rng = np.random.default_rng(seed)
     self._cond = threading.Condition()
@@ -243,15 +180,15 @@ class Engine:
     try:
       self._validate(request)
     except RequestError:
-      self.metrics.requests.inc(status="rejected")
+      self.metrics.count_request("rejected")
       raise
     handle = Handle(self, request, loop)
     with self._cond:
       if self._stopping:
-        self.metrics.requests.inc(status="overloaded")
+        self.metrics.count_request("overloaded")
         raise OverloadedError("the engine is stopping; retry later.")
       if len(self._waiting) >= self.max_queue:
-        self.metrics.requests.inc(status="overloaded")
+        self.metrics.count_request("overloaded")
         raise OverloadedError(f"the engine queue is full ({self.max_queue} waiting requests); retry "
                               "later or raise config.serving.max_queue.")
       self._waiting.append(handle)
@@ -260,52 +197,8 @@ class Engine:
     return handle
 
   def _validate(self, request: Request) -> None:
-    ids, p = request.prompt_ids, request.params
-    if len(ids) == 0:
-      raise RequestError("the prompt is empty; give at least one token.", "prompt")
-    if len(ids) > self.max_context:
-      raise RequestError(f"the prompt has {len(ids)} tokens, more than the context of "
-                         f"{self.max_context} tokens; shorten it.", "prompt")
-    arr = np.asarray(ids)
-    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer) or arr.min() < 0 or \
-       arr.max() >= self.vocab_size:
-      raise RequestError(f"prompt ids must be ints in [0, {self.vocab_size}).", "prompt")
-    if not isinstance(p.max_tokens, int) or p.max_tokens < 1:
-      raise RequestError(f"max_tokens={p.max_tokens!r} must be a positive int.", "max_tokens")
-    if len(ids) + p.max_tokens > self.max_context:
-      raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({p.max_tokens}) = "
-                         f"{len(ids) + p.max_tokens} exceeds the context of {self.max_context} "
-                         f"tokens; lower max_tokens to at most {self.max_context - len(ids)}.",
-                         "max_tokens")
-    if not np.isfinite(p.temperature) or p.temperature < 0:
-      raise RequestError(f"temperature={p.temperature} must be >= 0 (0 = greedy).", "temperature")
-    if not 0 < p.top_p <= 1:
-      raise RequestError(f"top_p={p.top_p} must be in (0, 1].", "top_p")
-    if not isinstance(p.top_k, int) or p.top_k < 0:
-      raise RequestError(f"top_k={p.top_k!r} must be an int >= 0 (0 = off).", "top_k")
-    if p.seed is not None and not isinstance(p.seed, (int, np.integer)):
-      raise RequestError(f"seed={p.seed!r} must be an int (or None).", "seed")
-    if any(not 0 <= t < self.vocab_size for t in p.stop_token_ids):
-      raise RequestError(f"stop_token_ids must be ids in [0, {self.vocab_size}).", "stop_token_ids")
-    self._validate_images(arr, request.images)
-
-  def _validate_images(self, prompt: np.ndarray, images: np.ndarray | None) -> None:
-    n_ph = int(np.sum(prompt == self.cfg.image_token_id))
-    m = 0 if images is None else len(images)
-    if m and self.model.vision is None:
-      raise RequestError("this model has no vision encoder (config.model.vision.enabled is False).",
-                         "images")
-    if m:
-      v = self.cfg.vision
-      want = (v.image_size, v.image_size, v.num_channels)
-      if np.ndim(images) != 4 or tuple(np.shape(images)[1:]) != want:
-        raise RequestError(f"images: expected [n, {want[0]}, {want[1]}, {want[2]}] float32 in [0, 1], "
-                           f"got shape {list(np.shape(images))}; resize them first.", "images")
-    per = self.cfg.vision.num_patches
-    if n_ph != m * per:
-      raise RequestError(f"the prompt has {n_ph} image placeholder tokens but {m} image(s) x {per} "
-                         f"patches = {m * per} were given; each image needs exactly {per} "
-                         "placeholders.", "images" if m else "prompt")
+    validate_request(request, max_context=self.max_context, vocab_size=self.vocab_size, model_cfg=self.cfg,
+                     has_vision=self.model.vision is not None)
 
   # ---- sync conveniences (RL, evaluators, tests) ----------------------------------
   def generate(self, request: Request) -> tuple[list[int], str, Usage]:
@@ -391,7 +284,7 @@ class Engine:
         handle = self._waiting.popleft()
       req = handle.request
       seed = req.params.seed if req.params.seed is not None else int(self._rng.integers(0, 2**63))
-      slot = _Slot(handle, np.asarray(req.prompt_ids, np.int32),
+      slot = Slot(handle, np.asarray(req.prompt_ids, np.int32),
                    frozenset(req.params.stop_token_ids or self.default_stop_ids), seed % 2**64)
       try:
         slot.patches = self._encode_images(req.images)
@@ -460,42 +353,12 @@ class Engine:
     return logits, valid
 
   # ---- sampling and delivery ------------------------------------------------------
-  def _constraints(self, rows: list[int]) -> tuple[np.ndarray, np.ndarray | None, list[int]]:
-    """Asks each row's processor: forced ids [S] (-1 = none), masks [S, V] (or None), failed rows."""
-    forced = np.full(self.slots, -1, np.int32)
-    masks, failed = None, []
-    for i in rows:
-      proc = self._rows[i].processor
-      if proc is None:
-        continue
-      try:
-        c = proc.next_constraint()
-        if c is None:
-          continue
-        if isinstance(c, (int, np.integer)):
-          if not 0 <= int(c) < self.vocab_size:
-            raise ValueError(f"forced token {c} is outside the vocabulary [0, {self.vocab_size}).")
-          forced[i] = int(c)
-          continue
-        allowed = np.zeros(self.vocab_size, bool)
-        c = np.asarray(c, bool)
-        if c.ndim != 1 or len(c) > self.vocab_size or not c.any():
-          raise ValueError(f"mask must be a bool [<= {self.vocab_size}] array allowing some token, "
-                           f"got shape {c.shape} with {int(c.sum())} allowed.")
-        allowed[:len(c)] = c
-        masks = np.ones((self.slots, self.vocab_size), bool) if masks is None else masks
-        masks[i] = allowed
-      except Exception:
-        _log.exception("processor.next_constraint failed for %s", self._rows[i].handle.id)
-        failed.append(i)
-    return forced, masks, failed
-
   def _sample_and_emit(self, pre, dec) -> None:
     from_prefill = pre[1] if pre is not None else np.zeros(self.slots, bool)
     rows = list(np.flatnonzero(from_prefill | (dec[1] if dec is not None else False)))
     if not rows:
       return
-    forced, masks, failed = self._constraints(rows)
+    forced, masks, failed = batch.constraints(self._rows, rows, self.vocab_size)
     for i in failed:
       self._finish(i, "error")
     rows = [i for i in rows if i not in failed]
@@ -565,7 +428,7 @@ class Engine:
       except Exception:
         _log.exception("processor.close failed for %s", handle.id)
     usage = Usage(len(handle.request.prompt_ids), n_generated, thinking)
-    self.metrics.requests.inc(status=reason)
+    self.metrics.count_request(reason)
     handle._deliver(Event(list(token_ids), list(deltas) + tail, reason, usage, time.time(),
                           list(logprobs)))
 

@@ -12,26 +12,10 @@ means: ASCII only (non-ASCII and control characters as json.dumps' short or lowe
 `\\uXXXX` escapes; astral characters, which need surrogate pairs, are never produced), no
 `\\/`, numbers in Python's float repr form without exponents, keys in the schema's order.
 
-Supported schema subset (everything else becomes "any JSON value" of bounded size):
-  * object: `properties` in schema order; every `required` one is present, each optional
-    one may be left out (the model decides; order is kept); a required name without a
-    property schema follows the listed ones with any value; additional properties are
-    never written, so an object schema without properties gives `{}`.
-  * string: `minLength` / `maxLength` in characters (an escape is one), capped at
-    `string_chars` unless minLength needs more; `pattern` / `format` are ignored.
-  * integer / number: at most `number_chars` characters, no exponent; a number has at most
-    15 digits so its repr round-trips. `minimum`, `maximum`, `multipleOf` are NOT enforced
-    (and `validate_arguments` does not check them).
-  * boolean, null, `enum` / `const` (their json.dumps texts, filtered by the rest of the
-    schema), a list of types (told apart by the first character).
-  * array: `items`, `minItems` / `maxItems` capped at `array_items` unless minItems needs
-    more; `uniqueItems` is ignored.
-  * anything else (anyOf/oneOf/allOf/$ref/not, unknown types, no type and neither
-    properties nor items): a string, number, boolean, null, array, or object with distinct
-    printable-ASCII keys (no escapes; at most min(array_items, 64) members), containers
-    nested at most `depth` deep.
-Every bound is finite and every transition keeps a completion within the bounds, so a
-valid prefix never dead-ends and every text ends: `Root.max_len` bounds its length.
+Which schema compiles to which nodes, and within which bounds, is serving/schema_compiler.py
+(the grammar compiler, which also lists the supported schema subset); this module is the
+runtime: the node kinds and `step` / `walk` over a state, plus `validate_arguments`, the
+same subset checked on a parsed value (the output parser and RL graders use it).
 
 A state is a stack (tuple) of frames; a frame is a tuple (node, *state), immutable and
 hashable, so states can key a cache. node.feed(stack, ch) returns the new stack, None (ch
@@ -40,7 +24,6 @@ is invalid) or _POP (the top frame is complete and ch belongs to its parent).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -55,8 +38,6 @@ _HEX = frozenset("0123456789abcdef")
 _U_RANGES = ((0x00, 0x07), (0x0B, 0x0B), (0x0E, 0x1F), (0x7F, 0xD7FF), (0xE000, 0xFFFF))
 _NUM_CHARS = frozenset("-0123456789.")
 _FLOAT_DIGITS = 15  # a decimal with <= 15 digits is its own float repr (DBL_DIG)
-_MAX_FREE_KEYS = 64  # members of a free-key object: far fewer than the distinct 1-char keys
-_TYPES = ("string", "integer", "number", "boolean", "null", "array", "object")
 
 
 def _replace(stack: tuple, frame: tuple) -> tuple:
@@ -119,7 +100,7 @@ def _u_feasible(digits: str) -> bool:
   return any(a <= lo + span - 1 and lo <= b for a, b in _U_RANGES)
 
 
-class _Lit:
+class LitNode:
   """One of a fixed set of JSON texts (enum/const values, true/false, null). Frame (node, text)."""
 
   def __init__(self, texts: Sequence[str]):
@@ -138,7 +119,7 @@ class _Lit:
     return _POP if text in self.texts else None  # "1" of enum [1, 12] ends at the parent's ","
 
 
-class _Num:
+class NumNode:
   """A canonical integer or number of at most `max_chars` characters. Frame (node, text)."""
 
   first = frozenset("-0123456789")
@@ -159,13 +140,13 @@ class _Num:
     return _POP if text and number_need(text, self.integer) == 0 else None
 
 
-class _Str:
+class StrNode:
   """A JSON string of lo..hi characters (an escape counts one).
 
   Frame (node, phase, count, esc, raw): phase 0 expects the opening quote, 1 is inside, 2 is
   closed; esc is None, "\\\\" after a backslash, or "u" + the hex digits of a \\u escape. With
   `unique` (keys of a free-key object) escapes are not allowed, raw is the key so far, and the
-  parent _AnyObj frame's used keys (its index 3) are read and extended on close.
+  parent AnyObjNode frame's used keys (its index 3) are read and extended on close.
   """
 
   first = frozenset('"')
@@ -222,7 +203,7 @@ class _Str:
     return stack[:-2] + (parent[:3] + (parent[3] + (raw,),), (self, 2, count, None, raw))
 
 
-class _Arr:
+class ArrNode:
   """[item, item] with lo..hi items. Frame (node, phase, n): 0 expects '[', 1 after '[', 2 after
   an item, 3 after ',', 4 closed, 5 after ', '."""
 
@@ -254,7 +235,7 @@ class _Arr:
     return _POP
 
 
-class _Obj:
+class ObjNode:
   """A schema object: its properties in order, optional ones may be left out.
 
   Frame (node, phase, last, key): `last` is the index of the last property written (-1: none
@@ -309,11 +290,11 @@ class _Obj:
     return _POP
 
 
-class _AnyObj:
+class AnyObjNode:
   """An object with distinct free keys and any values, at most `hi` members.
 
-  Frame (node, phase, n, used): `used` holds the keys written (extended by the key's _Str).
-  Phases as _Obj: 0 '{', 1 after '{', 3 after a key, 4 expects ' ', 5 after ', ', 6 after a
+  Frame (node, phase, n, used): `used` holds the keys written (extended by the key's StrNode).
+  Phases as ObjNode: 0 '{', 1 after '{', 3 after a key, 4 expects ' ', 5 after ', ', 6 after a
   value, 7 after ',', 8 closed.
   """
 
@@ -321,7 +302,7 @@ class _AnyObj:
 
   def __init__(self, value, key_chars: int, hi: int):
     self.value, self.hi = value, hi
-    self.key = _Str(0, key_chars, unique=True)
+    self.key = StrNode(0, key_chars, unique=True)
     self.max_len = 2 + hi * (self.key.max_len + 2 + value.max_len) + 2 * max(hi - 1, 0)
 
   def initial(self) -> tuple:
@@ -348,7 +329,7 @@ class _AnyObj:
     return _POP
 
 
-class _Union:
+class UnionNode:
   """One of several value kinds, told apart by their first character. Frame (node,)."""
 
   def __init__(self, branches: Sequence[Any]):
@@ -397,120 +378,16 @@ class Root:
     return len(stack) == 1 and stack[0][1] == 2
 
 
-# -------------------------------------------------------------------- schemas --
-@dataclasses.dataclass(frozen=True)
-class Bounds:
-  string_chars: int
-  array_items: int
-  number_chars: int
-  depth: int
-
-
-class _Compiler:
-  """JSON schema -> automaton nodes (see the module docstring for the subset)."""
-
-  def __init__(self, bounds: Bounds):
-    self.b = bounds
-    self._any: dict[int, _Union] = {}
-
-  def any(self, depth: int) -> _Union:
-    if depth not in self._any:
-      b = self.b
-      branches = [_Str(0, b.string_chars), _Num(False, b.number_chars), _Lit(("true", "false", "null"))]
-      if depth < b.depth:
-        branches += [_Arr(self.any(depth + 1), 0, b.array_items),
-                     _AnyObj(self.any(depth + 1), b.string_chars, min(b.array_items, _MAX_FREE_KEYS))]
-      self._any[depth] = _Union(branches)
-    return self._any[depth]
-
-  def node(self, schema: Any, depth: int, path: str):
-    if not isinstance(schema, dict):
-      return self.any(depth)
-    if "enum" in schema or "const" in schema:
-      return self._literals(schema, path)
-    types = schema.get("type")
-    if types is None:
-      types = "object" if "properties" in schema else "array" if "items" in schema else None
-    types = [types] if isinstance(types, str) else types if isinstance(types, list) else []
-    known = [t for t in dict.fromkeys(types) if t in _TYPES and not (t == "integer" and "number" in types)]
-    if not known:
-      return self.any(depth)
-    nodes = [self._typed(t, schema, depth, path) for t in known]
-    return nodes[0] if len(nodes) == 1 else _Union(nodes)
-
-  def _typed(self, t: str, schema: dict, depth: int, path: str):
-    if t == "string":
-      return _Str(*self._range(schema, "minLength", "maxLength", self.b.string_chars, path))
-    if t in ("integer", "number"):
-      return _Num(t == "integer", self.b.number_chars)
-    if t in ("boolean", "null"):
-      return _Lit(("true", "false") if t == "boolean" else ("null",))
-    if t == "array":
-      lo, hi = self._range(schema, "minItems", "maxItems", self.b.array_items, path)
-      return _Arr(self.node(schema.get("items"), depth + 1, path + ".items"), lo, hi)
-    return self.object(schema, depth, path)
-
-  def object(self, schema: dict, depth: int, path: str) -> _Obj:
-    props = schema.get("properties", {})
-    required = schema.get("required", [])
-    if not isinstance(props, dict):
-      raise ValueError(f"{path}.properties must be an object of property schemas, got {props!r}.")
-    if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
-      raise ValueError(f"{path}.required must be a list of property names, got {required!r}.")
-    entries = [(name, self.node(sub, depth + 1, f"{path}.properties.{name}"), name in required)
-               for name, sub in props.items()]
-    entries += [(name, self.any(depth + 1), True) for name in dict.fromkeys(required) if name not in props]
-    return _Obj(entries)
-
-  @staticmethod
-  def _range(schema: dict, kmin: str, kmax: str, bound: int, path: str) -> tuple[int, int]:
-    lo, hi = schema.get(kmin, 0), schema.get(kmax)
-    for k, v in ((kmin, lo), (kmax, hi)):
-      if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
-        raise ValueError(f"{path}.{k}={v!r} must be a non-negative integer.")
-    if hi is not None and hi < lo:
-      raise ValueError(f"{path}: {kmin}={lo} > {kmax}={hi}, so no value satisfies the schema.")
-    return lo, max(lo, bound if hi is None else min(hi, bound))
-
-  @staticmethod
-  def _literals(schema: dict, path: str) -> _Lit:
-    values = schema["enum"] if "enum" in schema else [schema["const"]]
-    if not isinstance(values, list):
-      raise ValueError(f"{path}.enum must be a list of values, got {values!r}.")
-    rest = {k: v for k, v in schema.items() if k not in ("enum", "const")}
-    try:
-      texts = dict.fromkeys(json.dumps(v, separators=SEPARATORS, allow_nan=False)
-                            for v in values if not validate_arguments(rest, v))
-    except (TypeError, ValueError) as e:
-      raise ValueError(f"{path}: enum/const values must be JSON values: {e}") from None
-    if not texts:
-      raise ValueError(f"{path}: no enum/const value satisfies the rest of the schema.")
-    return _Lit(tuple(texts))
-
-
-def compile_tools(tools: Sequence[tuple[int, str, Any]], bounds: Bounds) -> Root:
-  """The automaton of a call to one of `tools` ([(index in the request, name, parameters)])."""
-  compiler = _Compiler(bounds)
-  nodes = []
-  for i, name, params in tools:
-    path = f"tools[{i}].parameters"
-    if not isinstance(params, dict) or params.get("type", "object") != "object":
-      raise ValueError(f"{path} must be an object schema ({{'type': 'object', 'properties': ...}}), "
-                       f"got {params!r}.")
-    nodes.append((name, compiler.object(params, 0, path)))
-  return Root(nodes)
-
-
 def string_room(stack: tuple) -> tuple[int, str, tuple | None] | None:
   """If the top frame is inside a string (not in an escape): (characters left, key so far,
   keys already used -- None unless the string is a key that must be unique); else None."""
   node, *state = stack[-1]
-  if not isinstance(node, _Str) or state[0] != 1 or state[2] is not None:
+  if not isinstance(node, StrNode) or state[0] != 1 or state[2] is not None:
     return None
   return node.hi - state[1], state[3], (stack[-2][3] if node.unique else None)
 
 
-# ----------------------------------------------------------------- validation --
+# ---- validation of parsed values (the same schema subset) ---------------------------
 def validate_arguments(schema: Any, value: Any) -> list[str]:
   """Errors of `value` under the schema subset the automaton enforces ([] = valid).
 

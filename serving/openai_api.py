@@ -33,9 +33,10 @@ from typing import Any
 import fastapi
 from starlette.concurrency import run_in_threadpool
 
-from serving import generate
+from serving import prepare, run
 from serving.api_common import effort_thinking, generation_failure
-from serving.generate import APIError, EventStreamResponse, sse
+from serving.context import Context, Limits, ServerContext
+from serving.errors import APIError
 from serving.openai_request import (
   ChatRequest,
   CompletionRequest,
@@ -45,6 +46,7 @@ from serving.openai_request import (
   refuse_unsupported,
   stop_strings,
 )
+from serving.run import EventStreamResponse, sse
 from serving.types import SamplingParams, TextDelta, ThinkingDelta, ToolCallDelta, ToolChoice, Usage
 
 router = fastapi.APIRouter()
@@ -84,19 +86,19 @@ def _finish_reason(reason: str) -> str:
   return reason
 
 
-def max_tokens_for(config, prompt_len: int, given: int | None, param: str, prompt_param: str) -> int:
+def max_tokens_for(limits: Limits, prompt_len: int, given: int | None, param: str, prompt_param: str) -> int:
   """The request's max_tokens, checked against the context (400s name the field)."""
-  ctx = int(config.serving.max_context)
-  if prompt_len >= ctx:
-    raise APIError(400, f"The prompt is {prompt_len} tokens, but this model's context is {ctx} tokens "
+  context = limits.max_context
+  if prompt_len >= context:
+    raise APIError(400, f"The prompt is {prompt_len} tokens, but this model's context is {context} tokens "
                    "(config.serving.max_context) and must leave room for at least one generated "
                    "token; shorten the input.", param=prompt_param, code="context_length_exceeded")
-  room = ctx - prompt_len
+  room = context - prompt_len
   if given is None:
-    return min(int(config.serving.default_max_tokens), room)
+    return min(limits.default_max_tokens, room)
   if given > room:
     raise APIError(400, f"{param}={given} plus the prompt's {prompt_len} tokens exceeds this model's "
-                   f"context of {ctx} tokens; ask for at most {room}.", param=param,
+                   f"context of {context} tokens; ask for at most {room}.", param=param,
                    code="context_length_exceeded")
   return given
 
@@ -109,11 +111,11 @@ def sampling_params(body, max_tokens: int, i: int) -> SamplingParams:
                         seed=None if body.seed is None else body.seed + i)
 
 
-def _submit_all(state, prompt_ids, images, body, max_tokens: int, make_processor) -> list[Any]:
+def _submit_all(ctx: ServerContext, prompt_ids, images, body, max_tokens: int, make_processor) -> list[Any]:
   handles = []
   try:
     for i in range(body.n):
-      handles.append(generate.submit(state, prompt_ids, images, make_processor(),
+      handles.append(run.submit(ctx, prompt_ids, images, make_processor(),
                                      sampling_params(body, max_tokens, i)))
   except BaseException:
     for h in handles:
@@ -125,7 +127,7 @@ def _submit_all(state, prompt_ids, images, body, max_tokens: int, make_processor
 # ------------------------------------------------------------------ chat --
 
 
-def _message_json(r: generate.Result, thinking: bool) -> dict[str, Any]:
+def _message_json(r: run.Result, thinking: bool) -> dict[str, Any]:
   msg: dict[str, Any] = {"role": "assistant", "content": r.text if (r.text or not r.tool_calls) else None,
                          "refusal": None}
   if thinking:
@@ -172,7 +174,7 @@ async def _choice_stream(handles, reply: _Reply, include_usage: bool, chunk, emp
   """The per-event part of both streams: pieces(event) as chunks, a finish chunk per choice,
   the usage chunk, [DONE]; an engine failure ends the stream with an error event."""
   usages = []
-  async for i, event in generate.merge_streams(handles):
+  async for i, event in run.merge_streams(handles):
     for piece in pieces(event):
       yield chunk(i, piece)
     if event.finish_reason is not None:
@@ -188,41 +190,40 @@ async def _choice_stream(handles, reply: _Reply, include_usage: bool, chunk, emp
 
 
 @router.post("/v1/chat/completions")
-async def chat_completions(body: ChatRequest, request: fastapi.Request):
+async def chat_completions(body: ChatRequest, request: fastapi.Request, ctx: Context):
   """OpenAI Chat Completions (https://platform.openai.com/docs/api-reference/chat/create)."""
-  state = request.app.state
-  config = state.config
+  limits = ctx.limits
   refuse_unsupported(body)
   stops = stop_strings(body.stop)
-  thinking = effort_thinking(body.reasoning_effort, config.serving)
-  tools, choice = convert_tools(body, int(config.serving.max_tools))
-  decoder = ImageDecoder(state.model_cfg.vision, int(config.serving.max_images))
+  thinking = effort_thinking(body.reasoning_effort, limits)
+  tools, choice = convert_tools(body, limits.max_tools)
+  decoder = ImageDecoder(ctx.model_cfg.vision, limits.max_images)
   messages = await run_in_threadpool(convert_messages, body.messages, decoder)
   cont = body.continue_final_message
   if cont and thinking.on:
     raise APIError(400, "continue_final_message cannot be combined with reasoning_effort (thinking): the "
                    "continued answer would have no thinking.", param="continue_final_message")
-  rendered = await run_in_threadpool(generate.render, state, messages, tools=tools, thinking=thinking.on,
+  rendered = await run_in_threadpool(prepare.render, ctx, messages, tools=tools, thinking=thinking.on,
                                      effort=thinking.effort, continue_final=cont)
-  generate.check_images(state, len(rendered.images), "messages")
+  prepare.check_images(ctx, len(rendered.images), "messages")
   if body.max_completion_tokens is not None:
     given, param = body.max_completion_tokens, "max_completion_tokens"
   else:
     given, param = body.max_tokens, "max_tokens"
-  max_tokens = max_tokens_for(config, len(rendered.ids), given, param, "messages")
+  max_tokens = max_tokens_for(limits, len(rendered.ids), given, param, "messages")
 
   def processor():
-    return generate.make_processor(state, thinking=thinking.on, thinking_budget=thinking.budget, stop=stops,
+    return prepare.make_processor(ctx, thinking=thinking.on, thinking_budget=thinking.budget, stop=stops,
                                    tools=tools, tool_choice=choice, call_id_prefix="call_")
 
-  handles = _submit_all(state, rendered.ids, rendered.images, body, max_tokens, processor)
+  handles = _submit_all(ctx, rendered.ids, rendered.images, body, max_tokens, processor)
   reply = _Reply(f"chatcmpl-{secrets.token_hex(12)}", "chat.completion", int(time.time()),
-                 state.model_name, len(rendered.ids))
+                 ctx.model_name, len(rendered.ids))
   if body.stream:
     reply.object = "chat.completion.chunk"
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return EventStreamResponse(_chat_stream(handles, reply, include_usage), handles)
-  results = await generate.collect_all(handles, request)
+  results = await run.collect_all(handles, request)
   choices = [{"index": i, "message": _message_json(r, thinking.on), "logprobs": None,
               "finish_reason": _finish_reason(r.finish_reason)} for i, r in enumerate(results)]
   return {**reply.head(), "choices": choices,
@@ -232,18 +233,18 @@ async def chat_completions(body: ChatRequest, request: fastapi.Request):
 # ----------------------------------------------------------- completions --
 
 
-def _prompts(state, body: CompletionRequest) -> list[list[int]]:
+def _prompts(ctx: ServerContext, body: CompletionRequest) -> list[list[int]]:
   """`prompt` as token-id lists: strings get <|bos|> + their text ids; id lists are used as given."""
   p = body.prompt
   if isinstance(p, str):
-    return [state.renderer.render_completion_prompt(p)]
+    return [ctx.renderer.render_completion_prompt(p)]
   if not p:
     raise APIError(400, "prompt: must not be empty.", param="prompt")
   if all(isinstance(x, str) for x in p):
-    return [state.renderer.render_completion_prompt(x) for x in p]
+    return [ctx.renderer.render_completion_prompt(x) for x in p]
   if all(isinstance(x, int) for x in p):
     p = [p]
-  vocab = state.tokenizer.vocab_size
+  vocab = ctx.tokenizer.vocab_size
   for j, ids in enumerate(p):
     if not ids or any(not 0 <= t < vocab for t in ids):
       raise APIError(400, f"prompt[{j}]: token ids must be a non-empty list of ints in [0, {vocab}).",
@@ -272,28 +273,26 @@ async def _completion_stream(handles, echoes: list[str], reply: _Reply,
 
 
 @router.post("/v1/completions")
-async def completions(body: CompletionRequest, request: fastapi.Request):
+async def completions(body: CompletionRequest, request: fastapi.Request, ctx: Context):
   """OpenAI (legacy) Completions: raw text continuation, no chat template, no thinking."""
-  state = request.app.state
-  config = state.config
   refuse_unsupported(body)
   stops = stop_strings(body.stop)
-  prompts = _prompts(state, body)
+  prompts = _prompts(ctx, body)
   if len(prompts) * body.n > 64:
     raise APIError(400, f"{len(prompts)} prompts x n={body.n} = {len(prompts) * body.n} generations; at "
                    "most 64 per request.", param="prompt")
 
   def processor():
-    return generate.make_processor(state, thinking=False, thinking_budget=None, stop=stops,
+    return prepare.make_processor(ctx, thinking=False, thinking_budget=None, stop=stops,
                                    tool_choice=ToolChoice("none"))
 
   groups = []
   try:
     for ids in prompts:
-      max_tokens = max_tokens_for(config, len(ids), body.max_tokens, "max_tokens", "prompt")
-      echo = state.tokenizer.decode(ids[1:] if ids[0] == state.tokenizer.bos_id else ids) if body.echo \
+      max_tokens = max_tokens_for(ctx.limits, len(ids), body.max_tokens, "max_tokens", "prompt")
+      echo = ctx.tokenizer.decode(ids[1:] if ids[0] == ctx.tokenizer.bos_id else ids) if body.echo \
           else ""
-      groups.append((_submit_all(state, ids, None, body, max_tokens, processor), echo))
+      groups.append((_submit_all(ctx, ids, None, body, max_tokens, processor), echo))
   except BaseException:
     for hs, _ in groups:
       for h in hs:
@@ -302,11 +301,11 @@ async def completions(body: CompletionRequest, request: fastapi.Request):
   handles = [h for hs, _ in groups for h in hs]
   echoes = [t for hs, t in groups for _ in hs]
   reply = _Reply(f"cmpl-{secrets.token_hex(12)}", "text_completion", int(time.time()),
-                 state.model_name, sum(len(ids) for ids in prompts))
+                 ctx.model_name, sum(len(ids) for ids in prompts))
   if body.stream:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return EventStreamResponse(_completion_stream(handles, echoes, reply, include_usage), handles)
-  results = await generate.collect_all(handles, request)
+  results = await run.collect_all(handles, request)
   choices = [{"index": i, "text": echoes[i] + r.text, "logprobs": None,
               "finish_reason": _finish_reason(r.finish_reason)} for i, r in enumerate(results)]
   return {**reply.head(), "choices": choices,

@@ -2,7 +2,8 @@
 
 The bodies are pydantic models (FastAPI validates them; the server reshapes a
 validation error into OpenAI's `{"error": {..., "param": "messages[0].role"}}`
-with status 400, as OpenAI answers). Unknown fields are accepted and ignored
+with status 400, as OpenAI answers; serving/errors.py words the first error,
+for this API and the Anthropic one alike). Unknown fields are accepted and ignored
 (clients send `user`, `metadata`, `store`, ...); features this server does
 not have (logprobs, non-text response formats, `suffix`, `best_of` > n)
 are refused with a 400 naming the field rather than silently ignored.
@@ -27,7 +28,7 @@ import pydantic
 
 from serving import images as images_lib
 from serving.api_common import resolve_tool_choice
-from serving.generate import APIError
+from serving.errors import APIError
 from serving.types import ImagePart, Message, Part, TextPart, Tool, ToolCall, ToolChoice
 
 _TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")

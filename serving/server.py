@@ -10,7 +10,9 @@ what SDKs branch on -- the error bodies and status codes. Every error, also
 FastAPI's own (request validation 422 -> 400, unknown route 404, wrong method
 405) and the ones raised before routing (401, 413), is reshaped by the path it
 belongs to: `/v1/messages*` in Anthropic's `{"type": "error", "error": {...}}`,
-everything else in OpenAI's `{"error": {"message", "type", "param", "code"}}`.
+everything else in OpenAI's `{"error": {"message", "type", "param", "code"}}`
+(serving/errors.py). The routes receive one typed `ServerContext`
+(serving/context.py: engine, renderer, limits, keys, model name).
 
 `/health` is open (load balancers probe it without credentials); every other
 route needs the key when `config.serving.api_key` is set. The body limit
@@ -30,88 +32,27 @@ from typing import Any
 import fastapi
 import uvicorn
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from serving import anthropic_api, generate, openai_api, signing
-from serving.chat import ChatRenderer
-from serving.generate import APIError
+from serving import anthropic_api, openai_api
+from serving.context import Context, ServerContext
+from serving.errors import (
+  ENGINE_ERRORS,
+  APIError,
+  engine_error,
+  error_response,
+  is_anthropic_path,
+  validation_message,
+)
 
 _log = logging.getLogger(__name__)
-
-# Anthropic error types by status (docs.anthropic.com "Errors").
-_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                    404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
-                    429: "rate_limit_error", 500: "api_error", 503: "overloaded_error",
-                    529: "overloaded_error"}
-# OpenAI (type, code) by status when the raiser gave none.
-_OPENAI_TYPES = {400: ("invalid_request_error", None), 401: ("authentication_error", "invalid_api_key"),
-                 403: ("permission_error", None), 404: ("not_found_error", "not_found"),
-                 405: ("invalid_request_error", "method_not_allowed"),
-                 413: ("invalid_request_error", "request_too_large"),
-                 429: ("rate_limit_error", "overloaded"), 500: ("server_error", None),
-                 503: ("server_error", "unavailable")}
-
-
-def is_anthropic_path(path: str) -> bool:
-  """Routes that answer in Anthropic's shapes: the Messages API and its count_tokens."""
-  return path == "/v1/messages" or path.startswith("/v1/messages/")
-
-
-def error_response(path: str, status: int, message: str, *, param: str | None = None,
-                   code: str | None = None, type_: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
-  """An error in the shape of the API `path` belongs to.
-
-  Anthropic has no `param`, so it is folded into the message there. Overload is
-  429 for OpenAI and 529 `overloaded_error` for Anthropic (each vendor's own).
-  """
-  if is_anthropic_path(path):
-    if code == "overloaded":
-      status = 529
-    a_type = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
-    if param and param not in message:
-      message = f"{param}: {message}"
-    body = {"type": "error", "error": {"type": a_type, "message": message}}
-  else:
-    d_type, d_code = _OPENAI_TYPES.get(status, ("invalid_request_error" if status < 500 else "server_error",
-                                               None))
-    body = {"error": {"message": message, "type": type_ or d_type, "param": param, "code": code or d_code}}
-  return JSONResponse(body, status_code=status, headers=headers)
-
-
-def _loc_to_param(loc: tuple[Any, ...], anthropic: bool) -> str | None:
-  """('body', 'messages', 0, 'role') -> 'messages[0].role' (OpenAI) or 'messages.0.role' (Anthropic)."""
-  parts = [p for p in loc if p not in ("body",)]
-  # Pydantic names the union member it tried ("str", "list[...]", "function-after[...]"); drop them.
-  parts = [p for p in parts if not (isinstance(p, str) and ("[" in p or p in ("str", "int", "float",
-                                                                             "list", "dict", "bool")))]
-  if not parts:
-    return None
-  if anthropic:
-    return ".".join(str(p) for p in parts)
-  out = ""
-  for p in parts:
-    out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
-  return out
 
 
 def _validation_response(request: fastapi.Request, exc: RequestValidationError) -> JSONResponse:
   path = request.url.path
-  errors = exc.errors()
-  if not errors:
-    return error_response(path, 400, "Invalid request body.")
-  first = errors[0]
-  if first.get("type") == "json_invalid":
-    return error_response(path, 400, f"The request body is not valid JSON: {first.get('msg')}.")
-  param = _loc_to_param(tuple(first.get("loc", ())), is_anthropic_path(path))
-  msg = first.get("msg", "invalid value")
-  if param is None:  # the body as a whole: not a JSON object (or no JSON content type)
-    return error_response(path, 400, f"The request body must be a JSON object sent with Content-Type: "
-                          f"application/json ({msg}).")
-  more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
-  where = f"{param}: " if param else ""
-  return error_response(path, 400, f"{where}{msg}{more}", param=param)
+  message, param = validation_message(exc.errors(), anthropic=is_anthropic_path(path))
+  return error_response(path, 400, message, param=param)
 
 
 def _install_error_handlers(app: fastapi.FastAPI) -> None:
@@ -133,8 +74,7 @@ def _install_error_handlers(app: fastapi.FastAPI) -> None:
     return error_response(path, exc.status_code, message, headers=getattr(exc, "headers", None))
 
   async def on_engine_error(request: fastapi.Request, exc: Exception) -> JSONResponse:
-    api_error = generate.engine_error(exc)
-    return await on_api_error(request, api_error)
+    return await on_api_error(request, engine_error(exc))
 
   async def on_unhandled(request: fastapi.Request, exc: Exception) -> JSONResponse:
     _log.exception("unhandled error on %s %s", request.method, request.url.path)
@@ -143,7 +83,7 @@ def _install_error_handlers(app: fastapi.FastAPI) -> None:
   app.add_exception_handler(APIError, on_api_error)
   app.add_exception_handler(RequestValidationError, on_validation)
   app.add_exception_handler(StarletteHTTPException, on_http)
-  for exc_type in generate.ENGINE_ERRORS:
+  for exc_type in ENGINE_ERRORS:
     app.add_exception_handler(exc_type, on_engine_error)
   app.add_exception_handler(Exception, on_unhandled)
 
@@ -212,47 +152,43 @@ class _Guard:
     return await self.app(scope, replay_receive, send)
 
 
-def _model_card(app_state) -> dict[str, Any]:
+def _model_card(ctx: ServerContext) -> dict[str, Any]:
   """One model in a shape both SDKs parse: OpenAI's `Model` and Anthropic's `ModelInfo`."""
-  created = int(app_state.created)
-  serving = app_state.config.serving
+  created = int(ctx.created)
   return {
-      "id": app_state.model_name, "object": "model", "created": created, "owned_by": "horizon",
-      "type": "model", "display_name": app_state.model_name,
+      "id": ctx.model_name, "object": "model", "created": created, "owned_by": "horizon",
+      "type": "model", "display_name": ctx.model_name,
       "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created)),
-      "lifecycle": "active", "max_input_tokens": int(serving.max_context),
-      "max_tokens": int(serving.max_context),
+      "lifecycle": "active", "max_input_tokens": ctx.limits.max_context,
+      "max_tokens": ctx.limits.max_context,
   }
 
 
 def _add_operational_routes(app: fastapi.FastAPI) -> None:
   @app.get("/health")
-  async def health() -> JSONResponse:
-    alive = app.state.engine.running
-    return JSONResponse({"status": "ok" if alive else "engine stopped", "model": app.state.model_name},
+  async def health(ctx: Context) -> JSONResponse:
+    alive = ctx.engine.running
+    return JSONResponse({"status": "ok" if alive else "engine stopped", "model": ctx.model_name},
                         status_code=200 if alive else 503)
 
   @app.get("/metrics")
-  async def metrics() -> PlainTextResponse:
-    return PlainTextResponse(app.state.engine.metrics.render(), media_type="text/plain; version=0.0.4")
+  async def metrics(request: fastapi.Request, ctx: Context) -> Response:
+    """Prometheus exposition (serving/metrics.py), in the format the scraper's Accept asks for."""
+    body, content_type = ctx.metrics.exposition(request.headers.get("accept"))
+    return Response(body, headers={"Content-Type": content_type})
 
   @app.get("/v1/models")
-  async def list_models() -> dict[str, Any]:
-    card = _model_card(app.state)
+  async def list_models(ctx: Context) -> dict[str, Any]:
+    card = _model_card(ctx)
     return {"object": "list", "data": [card], "has_more": False, "first_id": card["id"],
             "last_id": card["id"]}
 
   @app.get("/v1/models/{model_id:path}")
-  async def get_model(model_id: str) -> dict[str, Any]:
-    if model_id != app.state.model_name:
+  async def get_model(model_id: str, ctx: Context) -> dict[str, Any]:
+    if model_id != ctx.model_name:
       raise APIError(404, f"The model '{model_id}' does not exist; this server serves "
-                     f"'{app.state.model_name}'.", param="model", code="model_not_found")
-    return _model_card(app.state)
-
-
-def _image_tokens(model_cfg) -> int:
-  """Placeholders per image: the vision encoder's patch count, 0 without vision."""
-  return int(model_cfg.vision.num_patches) if model_cfg.vision.enabled else 0
+                     f"'{ctx.model_name}'.", param="model", code="model_not_found")
+    return _model_card(ctx)
 
 
 def create_app(engine, tokenizer, config) -> fastapi.FastAPI:
@@ -264,25 +200,17 @@ def create_app(engine, tokenizer, config) -> fastapi.FastAPI:
     config: the full serving ConfigDict (`.serving` and `.model`), configs/serve.py.
 
   Returns:
-    A FastAPI app; `app.state` holds engine, tokenizer, renderer, config,
-    model_cfg (the served ModelConfig), signing_key, model_name and
-    created (unix time).
+    A FastAPI app; its routes receive the `ServerContext` built here
+    (serving/context.py), kept as `app.state.context`.
   """
+  ctx = ServerContext.build(engine, tokenizer, config)
   app = fastapi.FastAPI(title="Horizon", docs_url=None, redoc_url=None, openapi_url=None)
-  app.state.engine = engine
-  app.state.tokenizer = tokenizer
-  app.state.config = config
-  app.state.model_cfg = engine.cfg  # a checkpoint's stored config, not config.model
-  app.state.renderer = ChatRenderer(tokenizer, num_image_tokens=_image_tokens(app.state.model_cfg))
-  app.state.signing_key = signing.signing_key(config.serving.signing_key)
-  app.state.model_name = config.serving.model_name
-  app.state.created = time.time()
+  app.state.context = ctx
   _install_error_handlers(app)
   _add_operational_routes(app)
   app.include_router(openai_api.router)
   app.include_router(anthropic_api.router)
-  app.add_middleware(_Guard, api_key=str(config.serving.api_key or ""),
-                     max_body_bytes=int(config.serving.max_body_bytes))
+  app.add_middleware(_Guard, api_key=ctx.api_key, max_body_bytes=ctx.limits.max_body_bytes)
   return app
 
 

@@ -1,26 +1,9 @@
-"""One tolerance helper keyed by dtype (STYLE.md #6). Never loosen to pass."""
+"""Test helpers: the one tolerance helper keyed by dtype (STYLE.md #6, in training/tolerance.py so
+benchmarks share it; never loosen to pass) and the environment of a test's child JAX process."""
 
-import numpy as np
+from training.tolerance import RTOL, assert_close, rel_err
 
-# Relative tolerance on the Frobenius norm of the difference, per dtype.
-_RTOL = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-3}
-
-
-def rel_err(a, b) -> float:
-  a = np.asarray(a, np.float64)
-  b = np.asarray(b, np.float64)
-  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
-def assert_close(actual, expected, dtype="float32", rtol=None, what=""):
-  """Asserts ||actual - expected|| / ||expected|| <= rtol (default by dtype)."""
-  actual = np.asarray(actual)
-  expected = np.asarray(expected)
-  assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
-  assert np.all(np.isfinite(actual)), f"{what}: non-finite values"
-  tol = _RTOL[str(np.dtype(dtype))] if rtol is None else rtol
-  err = rel_err(actual, expected)
-  assert err <= tol, f"{what}: relative error {err:.3g} > {tol:g}"
+__all__ = ["RTOL", "assert_close", "rel_err", "subprocess_env"]
 
 
 def subprocess_env(devices: int) -> dict:

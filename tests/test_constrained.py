@@ -1,4 +1,4 @@
-"""Tests for serving.constrained (and serving.json_automaton): constrained tool calls.
+"""Tests for serving.constrained (+ serving.json_automaton, serving.schema_compiler): constrained tool calls.
 
 Random drives pick uniformly among the allowed tokens, which explores odd corners
 (long strings, deep fallback values, every tokenization) far more than a model would.

@@ -17,10 +17,10 @@ from jax.test_util import check_grads
 from model.attention.delta import DeltaAttention, DeltaCache
 from model.attention.delta_rule import (
   chunk_gated_delta_rule,
-  naive_gated_delta_rule,
   recurrent_gated_delta_rule,
   unit_lower_inverse,
 )
+from pallas_kernels.delta_rule.reference import naive_gated_delta_rule
 from tests.helpers import assert_close
 
 B, H, KD, VD = 2, 3, 5, 7

@@ -18,6 +18,8 @@ from jax.test_util import check_grads
 from model.attention import sparse
 from model.attention.dsa import GatedDSA
 from model.layers import apply_rope
+from pallas_kernels.indexer_topk import reference as topk_ref
+from pallas_kernels.sparse_attention import reference as attn_ref
 from tests.helpers import assert_close
 
 
@@ -53,7 +55,7 @@ def _indexer_inputs(key, b, t, s, h=3, k=5):
 
 
 # ---------------------------------------------------------------------------
-# sparse.py
+# sparse.py vs the kernels' plain references
 # ---------------------------------------------------------------------------
 @pytest.mark.parametrize("b,t,s,topk,qb,kb", [
     (2, 37, 37, 16, 8, 16), (2, 37, 37, 16, 16, 8), (1, 37, 37, 16, 5, 7),
@@ -67,8 +69,8 @@ def test_blockwise_topk_matches_dense(b, t, s, topk, qb, kb):
   @jax.jit
   def run(q, w, k):
     idx, valid = sparse.blockwise_topk(q, w, k, q_pos, q_seg, k_pos, k_seg, topk, qb, kb)
-    mask = sparse.allowed_mask(q_pos, q_seg, k_pos, k_seg)
-    scores = sparse.indexer_scores_dense(q, w, k)
+    mask = topk_ref.allowed_mask(q_pos, q_seg, k_pos, k_seg)
+    scores = topk_ref.indexer_scores_dense(q, w, k)
     ref_vals = jax.lax.top_k(jnp.where(mask, scores, -jnp.inf), topk)[0]
     return idx, valid, mask, ref_vals, jnp.take_along_axis(scores, idx, axis=-1)
 
@@ -129,7 +131,7 @@ def test_sparse_mqa_matches_dense_on_selected_set():
     return sparse.sparse_mqa_attention(*a, idx, valid, scale, 8)
 
   def ref(*a):
-    out, p = sparse.dense_mqa_attention(*a, mask, scale)
+    out, p = attn_ref.dense_mqa_attention(*a, mask, scale)
     return out, jnp.where(valid, jnp.take_along_axis(p, idx, axis=-1), 0.0)
 
   def run(f):
@@ -158,7 +160,7 @@ def test_selected_indexer_scores_matches_dense():
   idx = jnp.asarray(np.random.default_rng(51).integers(0, s, (b, t, 6), np.int32))
   cot = _normal(52, (b, t, 6))
   fast = lambda q, w, k: sparse.selected_indexer_scores(q, w, k, idx, 4)
-  ref = lambda q, w, k: jnp.take_along_axis(sparse.indexer_scores_dense(q, w, k), idx, axis=-1)
+  ref = lambda q, w, k: jnp.take_along_axis(topk_ref.indexer_scores_dense(q, w, k), idx, axis=-1)
   def run(f):
     loss = lambda *a: (jnp.sum(f(*a) * cot), f(*a))
     return jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(q, w, k)

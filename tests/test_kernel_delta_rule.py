@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 
+from model.attention.delta_rule import chunk_gated_delta_rule as xla_chunk_rule
 from pallas_kernels.delta_rule import BlockSizes, chunk_gated_delta_rule
 from pallas_kernels.delta_rule import reference as ref
 from tests.helpers import assert_close
@@ -65,7 +66,7 @@ def case():
 @pytest.fixture(scope="module")
 def reference(case):
   xs, reset, weights = case
-  return _value_and_grads(lambda *a: ref.chunk_gated_delta_rule(*a, chunk_size=4), xs, reset, weights)
+  return _value_and_grads(lambda *a: xla_chunk_rule(*a, chunk_size=4), xs, reset, weights)
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +123,7 @@ def test_defaults_and_low_precision_values(case):
   (q, k, v, g, beta, _), _, _ = case
   v = v.astype(jnp.bfloat16)
   o, final = jax.jit(lambda *a: chunk_gated_delta_rule(*a, chunk_size=8))(q, k, v, g, beta)
-  o_ref, final_ref = jax.jit(lambda *a: ref.chunk_gated_delta_rule(*a, chunk_size=8))(q, k, v, g, beta)
+  o_ref, final_ref = jax.jit(lambda *a: xla_chunk_rule(*a, chunk_size=8))(q, k, v, g, beta)
   assert o.dtype == jnp.bfloat16
   assert_close(o.astype(jnp.float32), o_ref.astype(jnp.float32), dtype="bfloat16", what="o")
   assert_close(final, final_ref, what="final state")

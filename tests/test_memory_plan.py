@@ -1,4 +1,5 @@
-"""experiments/memory_plan.py: exact state bytes, the activation estimate vs XLA, the CLI."""
+"""training/memory_plan.py (+ activation_memory.py): exact state bytes, the activation estimate vs XLA,
+and the experiments/memory_plan.py CLI."""
 
 import json
 import math
@@ -10,12 +11,12 @@ import pytest
 from flax import nnx
 
 from configs import horizon
-from experiments import activation_memory as am
-from experiments import memory_plan as mp
 from model.config import ModelConfig
 from model.decoder import abstract_model
 from model.param_count import count_parameters
 from sharding.rules import ShardingError
+from training import activation_memory as am
+from training import memory_plan as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ONE = {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1}
@@ -129,3 +130,20 @@ def test_cli_prints_table_and_json_last_line():
 def test_validate_refuses_configs_too_big_for_this_host():
   with pytest.raises(ValueError, match=r"--validate skipped: needs \d+\.\d GiB"):
     mp.check_validate_size(_cfg("full"), batch=1, seq_len=128)
+
+
+def test_validate_report_tables_every_policy_and_block(monkeypatch):
+  """The --validate table and JSON (the compiles themselves are the two tests above)."""
+  row = {"xla_temp": 2 ** 21, "estimate": 2 ** 20, "ratio": 0.5}
+  monkeypatch.setattr(mp, "validate", lambda cfg, batch, seq_len: dict.fromkeys(mp.REMATS, row))
+  monkeypatch.setattr(mp, "validate_blocks", lambda cfg, batch, seq_len: dict.fromkeys(
+      ("dsa+dense", "delta+moe", "dsa+moe"), row))
+  text, numbers = mp.validate_report(_cfg("tiny"), batch=1, seq_len=32)
+  assert set(numbers["validate"]) == set(mp.REMATS) and numbers["batch"] == 1 and numbers["seq_len"] == 32
+  assert set(numbers["blocks"]) == {"dsa+dense", "delta+moe", "dsa+moe"}
+  lines = text.splitlines()
+  assert lines[0].startswith("validate: batch 1 x 32") and "est/XLA" in lines[1]
+  assert [line.split()[0] for line in lines[2:5]] == list(mp.REMATS)
+  assert lines[2].split()[1:] == ["2.0", "1.0", "0.50"]  # MiB, MiB, ratio
+  assert sum(line.startswith("block ") for line in lines) == 3
+  json.dumps(numbers)  # the launcher's last line

@@ -1,4 +1,5 @@
-"""Tests for model/moe.py: routing, balancing, aux losses, dropless experts.
+"""Tests for the MoE: routing and aux losses (model/moe_routing.py), dropless experts
+(model/moe_experts.py), the layer and its bias balancing (model/moe.py).
 
 Fast paths are checked against plain references on random, odd-shaped f32
 inputs: dropless experts vs running every expert on every token, routing vs a
@@ -15,7 +16,7 @@ import pytest
 from flax import nnx
 from jax.test_util import check_grads
 
-from model import moe
+from model import moe, moe_experts, moe_routing
 from tests.helpers import assert_close
 
 IMPLS = ("ragged_dot", "blocked")
@@ -51,9 +52,9 @@ def _value_and_grads(fn, args, cot):
 def test_dropless_matches_dense_reference(t, e, k, d, f, block):
   args = _expert_inputs(t * e + k, t, e, k, d, f)
   cot = _normal(jax.random.key(99), (t, d))
-  y_ref, g_ref = _value_and_grads(lambda *a: moe.dense_experts_reference(*a, jnp.float32), args, cot)
+  y_ref, g_ref = _value_and_grads(lambda *a: moe_experts.dense_experts_reference(*a, jnp.float32), args, cot)
   for impl in IMPLS:
-    fast = functools.partial(moe.dropless_experts, dtype=jnp.float32, impl=impl, block=block)
+    fast = functools.partial(moe_experts.dropless_experts, dtype=jnp.float32, impl=impl, block=block)
     y, g = _value_and_grads(fast, args, cot)
     assert_close(y, y_ref, what=f"{impl} forward")
     for name, a, b in zip(("x", "weights", "w_gate", "w_up", "w_down"), g, g_ref, strict=True):
@@ -64,18 +65,18 @@ def test_dropless_unbalanced_and_empty_experts():
   """Every token on the same two experts; the other experts get no rows."""
   x, _, w, wg, wu, wd = _expert_inputs(3, 10, 7, 2, 13, 5)
   idx = jnp.tile(jnp.array([[5, 2]], jnp.int32), (10, 1))
-  ref = jax.jit(moe.dense_experts_reference, static_argnums=6)(x, idx, w, wg, wu, wd, jnp.float32)
+  ref = jax.jit(moe_experts.dense_experts_reference, static_argnums=6)(x, idx, w, wg, wu, wd, jnp.float32)
   for impl in IMPLS:
-    fast = jax.jit(functools.partial(moe.dropless_experts, dtype=jnp.float32, impl=impl))
+    fast = jax.jit(functools.partial(moe_experts.dropless_experts, dtype=jnp.float32, impl=impl))
     assert_close(fast(x, idx, w, wg, wu, wd), ref, what=impl)
 
 
 def test_dropless_bfloat16_matches_reference():
   args = _expert_inputs(5, 14, 8, 2, 16, 8)
   args = tuple(a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a for a in args)
-  ref = jax.jit(moe.dense_experts_reference, static_argnums=6)(*args, jnp.bfloat16)
+  ref = jax.jit(moe_experts.dense_experts_reference, static_argnums=6)(*args, jnp.bfloat16)
   for impl in IMPLS:
-    y = jax.jit(functools.partial(moe.dropless_experts, dtype=jnp.bfloat16, impl=impl))(*args)
+    y = jax.jit(functools.partial(moe_experts.dropless_experts, dtype=jnp.bfloat16, impl=impl))(*args)
     assert y.dtype == jnp.bfloat16
     assert_close(y.astype(jnp.float32), ref.astype(jnp.float32), dtype="bfloat16", what=impl)
 
@@ -83,13 +84,13 @@ def test_dropless_bfloat16_matches_reference():
 def test_dropless_bad_inputs():
   x, idx, w, wg, wu, wd = _expert_inputs(0, 6, 4, 2, 5, 3)
   with pytest.raises(ValueError, match="x_td"):
-    moe.dropless_experts(x[None], idx, w, wg, wu, wd, jnp.float32)
+    moe_experts.dropless_experts(x[None], idx, w, wg, wu, wd, jnp.float32)
   with pytest.raises(ValueError, match="weights_tk"):
-    moe.dropless_experts(x, idx, w[:, :1], wg, wu, wd, jnp.float32)
+    moe_experts.dropless_experts(x, idx, w[:, :1], wg, wu, wd, jnp.float32)
   with pytest.raises(ValueError, match="w_down"):
-    moe.dropless_experts(x, idx, w, wg, wu, wd[:, :2], jnp.float32)
+    moe_experts.dropless_experts(x, idx, w, wg, wu, wd[:, :2], jnp.float32)
   with pytest.raises(ValueError, match="impl"):
-    moe.dropless_experts(x, idx, w, wg, wu, wd, jnp.float32, impl="megablocks")
+    moe_experts.dropless_experts(x, idx, w, wg, wu, wd, jnp.float32, impl="megablocks")
 
 
 # ---- routing -----------------------------------------------------------------
@@ -119,7 +120,7 @@ def test_group_limited_selection_matches_numpy(e, k, groups, topk_groups):
   ks = jax.random.split(jax.random.key(e * 10 + k), 2)
   scores = jax.nn.sigmoid(_normal(ks[0], (2, 7, e)))
   bias = _normal(ks[1], (e,), 0.3)
-  idx = jax.jit(moe.select_experts, static_argnums=(2, 3, 4))(scores, bias, k, groups, topk_groups)
+  idx = jax.jit(moe_routing.select_experts, static_argnums=(2, 3, 4))(scores, bias, k, groups, topk_groups)
   assert idx.shape == (2, 7, k) and idx.dtype == jnp.int32
   expected = np_select(scores.reshape(-1, e), bias, k, groups, topk_groups).reshape(2, 7, k)
   np.testing.assert_array_equal(np.asarray(idx), expected)
@@ -131,11 +132,11 @@ def test_group_limited_selection_matches_numpy(e, k, groups, topk_groups):
 def test_select_experts_bad_args():
   scores = jnp.ones((3, 8)) * 0.5
   with pytest.raises(ValueError, match="groups=3"):
-    moe.select_experts(scores, jnp.zeros(8), 2, groups=3, topk_groups=1)
+    moe_routing.select_experts(scores, jnp.zeros(8), 2, groups=3, topk_groups=1)
   with pytest.raises(ValueError, match="k=5"):
-    moe.select_experts(scores, jnp.zeros(8), 5, groups=4, topk_groups=2)
+    moe_routing.select_experts(scores, jnp.zeros(8), 5, groups=4, topk_groups=2)
   with pytest.raises(ValueError, match="bias shape"):
-    moe.select_experts(scores, jnp.zeros(7), 2)
+    moe_routing.select_experts(scores, jnp.zeros(7), 2)
 
 
 def _moe(cfg, seed=0, impl="auto"):
@@ -293,17 +294,17 @@ def test_aux_load_and_losses_match_numpy(tiny_cfg, score):
 
 def test_aux_losses_check_grads():
   logits = _normal(jax.random.key(13), (2, 5, 7), 2.0)
-  idx = moe.select_experts(jax.nn.sigmoid(logits), jnp.zeros(7), 2)
-  check_grads(jax.jit(lambda lg: moe.sequence_aux_loss(jax.nn.sigmoid(lg), idx)), (logits,),
+  idx = moe_routing.select_experts(jax.nn.sigmoid(logits), jnp.zeros(7), 2)
+  check_grads(jax.jit(lambda lg: moe_routing.sequence_aux_loss(jax.nn.sigmoid(lg), idx)), (logits,),
               order=1, modes=["rev"], eps=1e-3)
-  check_grads(jax.jit(moe.router_z_loss), (logits,), order=1, modes=["rev"], eps=1e-3)
+  check_grads(jax.jit(moe_routing.router_z_loss), (logits,), order=1, modes=["rev"], eps=1e-3)
 
 
 def test_balanced_seq_aux_loss_is_one():
   """Uniform scores and perfectly even routing give exactly 1."""
   e, k, t = 6, 2, 9
   idx = jnp.asarray(np.arange(t * k).reshape(1, t, k) % e, jnp.int32)
-  assert_close(moe.sequence_aux_loss(jnp.full((1, t, e), 0.3), idx), 1.0, what="balanced")
+  assert_close(moe_routing.sequence_aux_loss(jnp.full((1, t, e), 0.3), idx), 1.0, what="balanced")
 
 
 # ---- bias balancing ------------------------------------------------------------

@@ -1,23 +1,26 @@
-"""The pretraining loop behind `experiments/pretrain.py` and the quickstart.
+"""The one training loop: behind `experiments/pretrain.py` and the quickstart.
 
-`run(config, workdir)`:
-  1. loads the tokenizer (config.data.tokenizer, default: the bundled one) and
-     checks it against config.model (vocab size, <|image|> id);
-  2. process 0 tokenizes config.data.sources into ArrayRecord shards under
-     config.data.prepared_dir (default <workdir>/data), a no-op when up to date;
-  3. creates the model and AdamW state sharded on the mesh of config.mesh, or
-     resumes everything (weights, optimizer, step, RNG, data iterator
-     position) from the latest checkpoint in <workdir>/checkpoints;
-  4. feeds this process's share of each global batch from the grain pipeline
-     to the jitted train step; metrics go to the console, <workdir>/metrics.jsonl
-     and TensorBoard; checkpoints are saved asynchronously every
-     config.checkpoint.every steps and at the end.
+`run(config, workdir)`, for any mesh (config.mesh) and one or many processes:
+  1. builds the batch source config.data.pipeline names (`training.batches`):
+     'grain' loads and checks the tokenizer and has process 0 tokenize
+     config.data.sources into ArrayRecord shards (a no-op when up to date);
+     'bytes' reads the standard library's source as raw bytes;
+  2. creates the model and AdamW state sharded on the mesh, or resumes
+     everything (weights, optimizer, step, RNG, data position) from the
+     latest checkpoint in <workdir>/checkpoints;
+  3. feeds each global batch (every process builds only its own rows) to the
+     jitted train step; a non-finite loss or gradient stops the run naming
+     the tensor (config.train.nan_policy='stop') or skips the update ('skip');
+     metrics (loss, MFU, expert load, ...) go to the console,
+     <workdir>/metrics.jsonl and TensorBoard (process 0); checkpoints are
+     saved asynchronously every config.checkpoint.every steps and at the end.
 workdir may be a local path or a URL (gs://, s3://).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -27,16 +30,14 @@ from etils import epath
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from experiments.config_util import model_config
+from model import flops
+from model.config import model_config
 from model.decoder import Horizon
 from sharding import mesh as mesh_lib
-from sharding.rules import activation_spec
 from sharding.state import create_sharded_model
-from training import data as data_lib
+from training import batches as batches_lib
 from training import metrics as metrics_lib
-from training.checkpoint import Checkpointer
-from training.data_sources import parse_sources
-from training.tokenizer import default_tokenizer_path, load_tokenizer
+from training.checkpoint import Checkpointer, restore_params
 from training.train_step import (
   TrainConfig,
   grad_names,
@@ -46,27 +47,7 @@ from training.train_step import (
 )
 
 _FLAGS_KEYS = ("finite", "loss", "grad_finite", "param_finite")
-
-
-def tokenizer_for(config):
-  cfg = config.model
-  path = config.data.tokenizer or default_tokenizer_path(config.variant)
-  return load_tokenizer(path, model_vocab_size=cfg.vocab_size, image_token_id=cfg.image_token_id)
-
-
-def prepared_dir(config, workdir: str) -> str:
-  return config.data.prepared_dir or str(epath.Path(workdir) / "data")
-
-
-def prepare_data(config, workdir: str, tokenizer) -> dict:
-  """Process 0 prepares the shards; every process waits, then reads the manifest."""
-  out = prepared_dir(config, workdir)
-  if jax.process_index() == 0:
-    data_lib.prepare(parse_sources(config.data.sources), tokenizer, out,
-                     max_docs=config.data.max_docs or None, log=logging.info)
-  if jax.process_count() > 1:
-    multihost_utils.sync_global_devices("horizon_prepare_data")
-  return data_lib.load_manifest(out)
+BatchFactory = Callable[..., Any]
 
 
 def host_value(v: jax.Array) -> np.ndarray:
@@ -74,45 +55,22 @@ def host_value(v: jax.Array) -> np.ndarray:
   return np.asarray(v if v.is_fully_replicated else multihost_utils.process_allgather(v, tiled=True))
 
 
-def _global_batch(mesh, local: dict[str, np.ndarray], global_batch: int) -> dict[str, jax.Array]:
-  out = {}
-  for name, value in local.items():
-    shape = (global_batch,) + value.shape[1:]
-    spec = activation_spec(("batch",) + ("length",) * (value.ndim - 1), shape, dict(mesh.shape))
-    out[name] = jax.make_array_from_process_local_data(jax.sharding.NamedSharding(mesh, spec), value, shape)
-  return out
-
-
-def _check_batching(tc: TrainConfig) -> int:
-  n = jax.process_count()
-  if tc.global_batch % n:
-    raise ValueError(f"config.train.global_batch={tc.global_batch} is not divisible by the "
-                     f"{n} processes; each process loads global_batch / processes rows.")
-  return tc.global_batch // n
-
-
 class _Run:
-  """State of one launch: model, optimizer, data iterator, checkpointer, logger."""
+  """State of one launch: model, optimizer, batch source, checkpointer."""
 
-  def __init__(self, config, workdir: str):
+  def __init__(self, config, workdir: str, make_batches: BatchFactory | None = None):
     self.config, self.workdir = config, workdir
     self.cfg = model_config(config)
     self.tc = TrainConfig.from_config(config.train)
-    self.tokenizer = tokenizer_for(config)
-    self.manifest = prepare_data(config, workdir, self.tokenizer)
     self.mesh = mesh_lib.make_mesh(config.mesh)
-    self.local_batch = _check_batching(self.tc)
+    self.data = (make_batches or batches_lib.make_batches)(config, workdir, self.cfg, self.mesh, self.tc)
 
   def build(self) -> None:
     cfg, tc, config = self.cfg, self.tc, self.config
     self.model = create_sharded_model(lambda: Horizon(cfg, rngs=nnx.Rngs(config.seed)), self.mesh)
     self.optimizer = make_train_state(self.model, tc)
     self.names = grad_names(self.model, self.optimizer)
-    ds = data_lib.make_lm_dataset(
-        prepared_dir(config, self.workdir), None, tc.seq_len, self.local_batch,
-        seed=config.data.shuffle_seed, process_index=jax.process_index(),
-        process_count=jax.process_count(), packing=config.data.packing)
-    self.data = iter(ds)
+    self.data.start()
     self.rng = jax.random.key(config.seed)
     self.ckpt = Checkpointer(str(epath.Path(self.workdir) / "checkpoints"),
                              every=config.checkpoint.every, keep=config.checkpoint.keep,
@@ -125,6 +83,11 @@ class _Run:
       if meta.get("rng") is not None:
         self.rng = meta["rng"]
       logging.info("resumed from %s at step %d", self.ckpt.directory, self.start)
+    elif config.train.get("init_checkpoint"):
+      # A fresh run that starts from another run's weights (e.g. SFT from pretraining): the
+      # parameters only; the optimizer state, step and data position start anew.
+      meta = restore_params(config.train.init_checkpoint, self.model)
+      logging.info("initialised weights from %s (step %d)", config.train.init_checkpoint, meta["step"])
 
   def save(self, step: int, force: bool = False) -> bool:
     return self.ckpt.save(step, model=self.model, optimizer=self.optimizer,
@@ -133,7 +96,7 @@ class _Run:
 
   def step(self, step: int, flops_train: float, peak: float) -> dict[str, Any]:
     tc = self.tc
-    batch = _global_batch(self.mesh, next(self.data), tc.global_batch)
+    batch = self.data.batch(step)
     t0 = time.perf_counter()
     raw = jit_train_step(self.model, self.optimizer, batch, tc)
     flags_ = {k: host_value(raw[k]) for k in _FLAGS_KEYS}
@@ -151,11 +114,21 @@ class _Run:
         router_bias_norm=metrics_lib.router_bias_norm(self.model))
 
 
-def run(config, workdir: str) -> dict[str, Any]:
-  """Trains config.train.steps steps (resuming if a checkpoint exists); returns the summary."""
-  r = _Run(config, workdir)
+def run(config, workdir: str, make_batches: BatchFactory | None = None) -> dict[str, Any]:
+  """Trains config.train.steps steps (resuming if a checkpoint exists); returns the summary.
+
+  make_batches(config, workdir, model_cfg, mesh, train_cfg) builds the batch source (default:
+  `training.batches.make_batches`, by config.data.pipeline); callers with their own data
+  (rl's SFT) pass one with the same interface: start, batch(step), get_state, set_state,
+  summary, and a `pipeline` name.
+
+  The summary (the same on every process): the logger's (final/min loss, mean
+  tokens/s and MFU, ...), the per-step `losses` of this launch, `start_step`,
+  `latest_checkpoint`, the data `pipeline`, `processes` and `devices`.
+  """
+  r = _Run(config, workdir, make_batches)
   tc = r.tc
-  flops_train = metrics_lib.flops_per_token(r.cfg, tc.seq_len)["train_model"]  # MFU: no recompute
+  flops_train = flops.flops_per_token(r.cfg, tc.seq_len)["train_model"]  # MFU: no recompute
   per_device, source = metrics_lib.resolve_peak_flops(config.metrics.peak_flops)
   peak = metrics_lib.total_peak_flops(per_device, jax.device_count(), jax.default_backend())
   logging.info("peak %.3g FLOP/s per device (%s); %.3g train FLOPs per token", per_device, source,
@@ -177,7 +150,7 @@ def run(config, workdir: str) -> dict[str, Any]:
   summary.update({"workdir": str(workdir), "checkpoint_dir": str(r.ckpt.directory),
                   "latest_checkpoint": r.ckpt.latest_step(), "start_step": r.start,
                   "losses": losses, "peak_flops_per_device": per_device, "peak_source": source,
-                  "prepared_dir": prepared_dir(config, workdir),
-                  "data_tokens": sum(s["tokens"] for s in r.manifest["sources"].values())})
+                  "pipeline": r.data.pipeline, "processes": jax.process_count(),
+                  "devices": jax.device_count(), **r.data.summary()})
   r.ckpt.close()
   return summary

@@ -35,6 +35,8 @@ from experiments.bench.common import compiled_peak_bytes, median_seconds, skip_m
 from model.attention import sparse
 from model.attention.dsa import GatedDSA
 from model.config import ModelConfig
+from pallas_kernels.indexer_topk.reference import allowed_mask, indexer_scores_dense
+from pallas_kernels.sparse_attention.reference import dense_mqa_attention
 
 GIB = 2 ** 30
 
@@ -57,13 +59,13 @@ def dense_topk_layer(layer: GatedDSA, x, positions, segment_ids):
   q_i, w_i, k_i = layer.indexer_projections(x, c_q, positions)
   b, t = segment_ids.shape
   seq = jnp.broadcast_to(jnp.arange(t), (b, t))
-  allowed = sparse.allowed_mask(seq, segment_ids, seq, segment_ids)
-  scores = sparse.indexer_scores_dense(q_i, w_i, k_i)
+  allowed = allowed_mask(seq, segment_ids, seq, segment_ids)
+  scores = indexer_scores_dense(q_i, w_i, k_i)
   vals, ids = jax.lax.top_k(jax.lax.stop_gradient(jnp.where(allowed, scores, -jnp.inf)),
                             min(cfg.index_topk, t))
   rows = (jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None], ids)
   mask = jnp.zeros((b, t, t), bool).at[rows].set(vals > -jnp.inf)
-  out_lat, p = sparse.dense_mqa_attention(q_lat, q_rope, latent, k_rope, mask, layer.scale)
+  out_lat, p = dense_mqa_attention(q_lat, q_rope, latent, k_rope, mask, layer.scale)
   return layer.output_projection(out_lat, x), sparse.indexer_kl(p, scores, mask)
 
 

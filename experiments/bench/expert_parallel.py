@@ -28,7 +28,7 @@ something if they compute the same function. capacity_factor defaults to 8
 (= the expert axis), so the capacity exchange cannot drop a token, and the
 benchmark fails (exit 1) if any assignment was dropped or the two layouts'
 losses (before and after one update) differ beyond the compute dtype's
-tolerance (tests.helpers).
+tolerance (training.tolerance, the tests' helper).
 
 Measured per layout: median step time (compile and warm-up excluded,
 jax.block_until_ready, median of --reps), per-device parameter and optimizer
@@ -59,16 +59,16 @@ from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
 from configs import horizon  # noqa: E402
-from experiments import config_util  # noqa: E402
 from experiments.bench.common import compiled_peak_bytes, median_seconds  # noqa: E402
-from model.config import ModelConfig  # noqa: E402
+from experiments.config_util import define_config_flag  # noqa: E402
+from model.config import ModelConfig, model_config  # noqa: E402
 from model.layers import RMSNorm  # noqa: E402
 from model.moe import MoE  # noqa: E402
 from sharding import expert_parallel  # noqa: E402
 from sharding import mesh as mesh_lib  # noqa: E402
 from sharding import rules as rules_lib  # noqa: E402
 from sharding.state import create_sharded_model  # noqa: E402
-from tests.helpers import assert_close  # noqa: E402
+from training.tolerance import assert_close  # noqa: E402
 
 NUM_DEVICES = 8
 LAYOUTS = {  # name -> mesh; both split the batch 8 ways
@@ -95,7 +95,7 @@ moments) shrink to 1/8 per device; the shared expert and the norm stay replicate
 whole-block ratio is a little above 1/8."""
 
 FLAGS = flags.FLAGS
-_CONFIG = config_util.define_config_flag()
+_CONFIG = define_config_flag(required=False)
 flags.DEFINE_bool("quick", False, "small batch and fewer reps for a smoke run (< 1 min)")
 flags.DEFINE_integer("batch_per_device", 1, "sequences per device (global batch = 8x this)")
 flags.DEFINE_integer("seq", 512, "tokens per sequence")
@@ -125,7 +125,7 @@ def bench_config(config, capacity_factor: float) -> ModelConfig:
   """The model config (`small` unless --config is given) with the bench's capacity factor."""
   if config is None:
     config = horizon.get_config("small")
-  return config_util.model_config(config).replace(capacity_factor=capacity_factor)
+  return model_config(config).replace(capacity_factor=capacity_factor)
 
 
 def make_train_step(aux_weight: float):

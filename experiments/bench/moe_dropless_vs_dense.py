@@ -5,8 +5,8 @@ Run (under the heavy-job lock on shared machines):
     flock /tmp/horizon_heavy.lock python -m experiments.bench.moe_dropless_vs_dense
     python -m experiments.bench.moe_dropless_vs_dense --quick
 
-Times `model.moe.dropless_experts` (impl 'ragged_dot' and 'blocked') against
-`model.moe.dense_experts_reference` on the same random routing, jitted, forward
+Times `model.moe_experts.dropless_experts` (impl 'ragged_dot' and 'blocked') against
+`model.moe_experts.dense_experts_reference` on the same random routing, jitted, forward
 and forward+backward, in f32 and bf16 compute. Warm-up (compile + first run) is
 excluded; the median of --reps runs is reported. Peak memory is XLA's
 `memory_analysis()` (temp + arguments + outputs) of the compiled function; a
@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from experiments.bench.common import compiled_peak_bytes, median_seconds
-from model import moe
+from model import moe_experts
 
 IMPLS = ("dense", "ragged_dot", "blocked")
 
@@ -44,9 +44,9 @@ def _inputs(tokens: int, d: int, f: int, e: int, k: int, dtype):
 
 def _fn(impl: str, mode: str, dtype, cot):
   if impl == "dense":
-    experts = functools.partial(moe.dense_experts_reference, dtype=dtype)
+    experts = functools.partial(moe_experts.dense_experts_reference, dtype=dtype)
   else:
-    experts = functools.partial(moe.dropless_experts, dtype=dtype, impl=impl)
+    experts = functools.partial(moe_experts.dropless_experts, dtype=dtype, impl=impl)
   if mode == "fwd":
     return jax.jit(experts)
   loss = lambda *a: jnp.sum(experts(*a).astype(jnp.float32) * cot)
@@ -67,7 +67,7 @@ def run(a: argparse.Namespace) -> dict:
   max_bytes = a.max_gib * 2 ** 30
   print(f"MoE experts: tokens={a.tokens} d={a.d} f={a.f} experts={a.experts} top-k={a.topk} "
         f"reps={a.reps} backend={jax.default_backend()} "
-        f"block={moe.default_block(a.tokens * a.topk, a.experts)} max_gib={a.max_gib}")
+        f"block={moe_experts.default_block(a.tokens * a.topk, a.experts)} max_gib={a.max_gib}")
   print(f"{'dtype':<9} {'mode':<8} {'impl':<11} {'median ms':>11} {'peak MiB':>10} {'vs dense':>9}",
         flush=True)
   ratios = {}

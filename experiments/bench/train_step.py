@@ -14,7 +14,7 @@ a byte-corpus batch (`training.byte_corpus.lm_rows`) on the default device, for 
 Compilation, the first step and one warm-up step are excluded; the median of --reps steps is
 reported. Achieved FLOP/s = flops_per_token x tokens/s: MFU counts the model's
 3 x forward FLOPs, HFU adds the recomputed forward of rematerialisation
-(`training.metrics.flops_per_token`). Planned memory is XLA's
+(`model.flops.flops_per_token`). Planned memory is XLA's
 memory_analysis() of the compiled step (temp + arguments + outputs); a case
 above --max_gib is reported as skipped, not run. The last line is a JSON
 object with the ratios (MFU, HFU, time of each remat policy over 'none').
@@ -34,6 +34,7 @@ from flax import nnx
 
 from configs import horizon
 from experiments.bench.common import compiled_peak_bytes
+from model import flops
 from model.config import ModelConfig
 from model.decoder import Horizon
 from training import byte_corpus, metrics
@@ -91,7 +92,7 @@ def run(a: argparse.Namespace) -> dict:
   out: dict = {"peak_flops": peak, "tokens_per_step": b * t}
   for policy in a.remat.split(","):
     pcfg = cfg.replace(remat=policy)
-    f = metrics.flops_per_token(pcfg, t)
+    f = flops.flops_per_token(pcfg, t)
     r = _time_policy(pcfg, tc, batch, a.reps, a.max_gib * 2 ** 30)
     if r["seconds"] is None:
       print(f"{policy:<10} skipped: needs {r['bytes'] / 2 ** 30:.1f} GiB", flush=True)

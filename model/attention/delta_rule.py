@@ -1,4 +1,4 @@
-"""The gated delta rule: per-token reference, recurrent (decode) and chunkwise (WY/UT) forms.
+"""The gated delta rule's XLA forms: recurrent (decode) and chunkwise (WY/UT).
 
 Gated DeltaNet (Yang, Kautz & Hatamizadeh, ICLR 2025, "Gated Delta Networks: Improving Mamba2
 with Delta Rule") keeps a fixed-size associative memory S per head and, per token t, first
@@ -14,8 +14,10 @@ training and prefill the chunkwise-parallel form of DeltaNet (Yang et al., NeurI
 "Parallelizing Linear Transformers with the Delta Rule over Sequence Length") rewrites a chunk
 of C tokens with the WY/UT representation: the chunk's pseudo-values u solve a unit lower
 triangular system, so the work inside a chunk is matmuls and one small unit-lower-triangular
-inverse, and only the [k, v] state crosses chunk boundaries (a lax.scan over chunks). All three forms
-compute the same function; tests check outputs and every gradient against the reference.
+inverse, and only the [k, v] state crosses chunk boundaries (a lax.scan over chunks). Both forms
+compute the function of the per-token reference, which lives beside the Pallas kernel with the
+shared argument checks (pallas_kernels/delta_rule/reference.py: `naive_gated_delta_rule`); tests
+check outputs and every gradient against it.
 
 Packed sequences: reset[b, t] zeroes the state before token t is applied. The chunk form
 handles resets inside a chunk exactly with "same segment" masks rather than a -inf (or -1e4)
@@ -37,78 +39,19 @@ import jax
 import jax.numpy as jnp
 
 from model.layers import einsum
+from pallas_kernels.delta_rule.reference import check_inputs, initial_state_or_zeros
 
 # Diagonal blocks up to this size are inverted by forward substitution; larger ones are
 # split in halves and merged with matmuls.
 _SUBSTITUTION_BLOCK = 16
 
 
-def check_inputs(fn: str, q, k, v, g, beta, initial_state, reset) -> None:
-  """Raises a ValueError naming the offending argument and the expected shape."""
-  if q.ndim != 4:
-    raise ValueError(f"{fn}: q must be [b, t, h, kd]; got shape {q.shape}.")
-  b, t, h, kd = q.shape
-  if k.shape != q.shape:
-    raise ValueError(f"{fn}: k has shape {k.shape}; it must match q's shape {q.shape} [b, t, h, kd].")
-  if v.ndim != 4 or v.shape[:3] != (b, t, h):
-    raise ValueError(f"{fn}: v has shape {v.shape}; expected [b, t, h, vd] = {(b, t, h)} + [vd].")
-  for name, x in (("g", g), ("beta", beta)):
-    if x.shape != (b, t, h):
-      raise ValueError(f"{fn}: {name} has shape {x.shape}; expected [b, t, h] = {(b, t, h)}.")
-  want = (b, h, kd, v.shape[-1])
-  if initial_state is not None and initial_state.shape != want:
-    raise ValueError(f"{fn}: initial_state has shape {initial_state.shape}; expected "
-                     f"[b, h, kd, vd] = {want} (or None for a zero state).")
-  if reset is not None and reset.shape != (b, t):
-    raise ValueError(f"{fn}: reset has shape {reset.shape}; expected [b, t] = {(b, t)} (or None).")
-
-
-def initial_state_or_zeros(initial_state, b, h, kd, vd, dt):
-  if initial_state is None:
-    return jnp.zeros((b, h, kd, vd), dt)
-  return initial_state.astype(dt)
-
-
-def naive_gated_delta_rule(q, k, v, g, beta, initial_state=None, reset=None):
-  """Reference: a python loop over tokens, written straight from the equation.
-
-  Args:
-    q, k: [b, t, h, kd] (already L2-normalised; q already scaled).
-    v: [b, t, h, vd].
-    g: [b, t, h] log-decay (<= 0); a_t = exp(g_t).
-    beta: [b, t, h] write strength.
-    initial_state: [b, h, kd, vd] or None (zeros).
-    reset: [b, t] bool or None; True zeroes the state before token t.
-
-  Returns:
-    o [b, t, h, vd] in v's dtype, final state [b, h, kd, vd] in float32.
-  """
-  check_inputs("naive_gated_delta_rule", q, k, v, g, beta, initial_state, reset)
-  dt = jnp.float32
-  b, t, h, kd = q.shape
-  vd = v.shape[-1]
-  s = initial_state_or_zeros(initial_state, b, h, kd, vd, dt)
-  if reset is None:
-    reset = jnp.zeros((b, t), bool)
-  # One split per input (not t index ops): keeps eager reference calls cheap to compile.
-  per_token = zip(*(jnp.split(x, t, axis=1) for x in (q, k, v, g, beta, reset)), strict=True)
-  outs = []
-  for q_i, k_i, v_i, g_i, beta_i, reset_i in per_token:
-    q_i, k_i, v_i, g_i, beta_i = (x[:, 0].astype(dt) for x in (q_i, k_i, v_i, g_i, beta_i))
-    s = jnp.where(reset_i[:, 0, None, None, None], 0.0, s)
-    a = jnp.exp(g_i)[..., None, None]
-    predicted = einsum("bhkv,bhk->bhv", a * s, k_i, dt)  # a_t S_{t-1}^T k_t
-    correction = beta_i[..., None] * (v_i - predicted)
-    s = a * s + k_i[..., :, None] * correction[..., None, :]
-    outs.append(einsum("bhkv,bhk->bhv", s, q_i, dt))
-  return jnp.stack(outs, axis=1).astype(v.dtype), s
-
-
 def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None, reset=None):
   """Recurrent form: lax.scan over tokens; with t == 1 it is one decode step.
 
-  Same arguments and results as `naive_gated_delta_rule`. O(t) sequential steps, O(1)
-  memory in t beyond the outputs.
+  Same arguments and results as the reference `naive_gated_delta_rule`
+  (pallas_kernels/delta_rule/reference.py). O(t) sequential steps, O(1) memory in t beyond
+  the outputs.
   """
   check_inputs("recurrent_gated_delta_rule", q, k, v, g, beta, initial_state, reset)
   dt = jnp.float32
@@ -245,9 +188,9 @@ def _chunk_terms(q, k, v, g, beta, reset):
 def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, reset=None, chunk_size: int = 64):
   """Chunkwise-parallel (WY/UT) form for training and prefill.
 
-  Same arguments and results as `naive_gated_delta_rule`, plus `chunk_size` (tokens per
-  chunk). Any length works: the tail is padded with beta = 0, g = 0 tokens, which leave the
-  state unchanged, and the padded outputs are sliced off.
+  Same arguments and results as the reference `naive_gated_delta_rule`, plus `chunk_size`
+  (tokens per chunk). Any length works: the tail is padded with beta = 0, g = 0 tokens, which
+  leave the state unchanged, and the padded outputs are sliced off.
   """
   check_inputs("chunk_gated_delta_rule", q, k, v, g, beta, initial_state, reset)
   if not isinstance(chunk_size, int) or chunk_size < 1:

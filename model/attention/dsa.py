@@ -31,6 +31,8 @@ from flax import nnx
 from model.attention import sparse
 from model.config import ModelConfig
 from model.layers import RMSNorm, apply_rope, einsum, param
+from pallas_kernels.indexer_topk.reference import allowed_mask, indexer_scores_dense
+from pallas_kernels.sparse_attention.reference import dense_mqa_attention
 from sharding.rules import per_shard
 
 
@@ -183,9 +185,9 @@ class GatedDSA(nnx.Module):
 
   def _dense(self, q_lat, q_rope, latent, k_rope, q_i, w_i, k_i, q_pos, q_seg, k_pos, k_seg):
     """Dense warm-up stage: dense MLA; KL over all allowed keys of the dense indexer scores."""
-    mask = sparse.allowed_mask(q_pos, q_seg, k_pos, k_seg)
-    out_lat, p = sparse.dense_mqa_attention(q_lat, q_rope, latent, k_rope, mask, self.scale)
-    return out_lat, sparse.indexer_kl(p, sparse.indexer_scores_dense(q_i, w_i, k_i), mask)
+    mask = allowed_mask(q_pos, q_seg, k_pos, k_seg)
+    out_lat, p = dense_mqa_attention(q_lat, q_rope, latent, k_rope, mask, self.scale)
+    return out_lat, sparse.indexer_kl(p, indexer_scores_dense(q_i, w_i, k_i), mask)
 
   # ---- public API ------------------------------------------------------------
   def _check_x(self, fn: str, x: jax.Array) -> None:

@@ -21,9 +21,12 @@ The attention is MQA over the MLA latent in absorbed form (DeepSeek-V2, Liu et
 al. 2024, sec. 2.1): one latent + one RoPE key per token is all that is read
 and all that a decode cache stores.
 
-The dense functions (`allowed_mask`, `indexer_scores_dense`,
-`dense_mqa_attention`) are plain references for tests and for the indexer's
-dense warm-up stage only.
+The plain definitions both paths must equal, their argument checks and the
+block-skip plan live with the Pallas kernels that compute the same functions
+(pallas_kernels/indexer_topk/reference.py, pallas_kernels/sparse_attention/
+reference.py); this module imports them. The dense ones (`allowed_mask`,
+`indexer_scores_dense`, `dense_mqa_attention`) also serve the indexer's dense
+warm-up stage (model/attention/dsa.py).
 
 Einsum legend: b batch, t query, s key, h heads (main or indexer), k indexer
 head dim, c latent (kv_lora) dim, p RoPE dim, j selected top-k slot.
@@ -35,27 +38,23 @@ import jax
 import jax.numpy as jnp
 
 from model.layers import einsum, einsum_f32
+from pallas_kernels.common import need, pad_axis1
+from pallas_kernels.indexer_topk.reference import (
+    allowed_mask,
+    check_topk_args,
+    indexer_scores_dense,
+    needed_blocks,
+)
+from pallas_kernels.sparse_attention.reference import check_mqa_args, head_summed, masked_softmax
 
 _NEG_INF = float("-inf")
-_INT_MAX = jnp.iinfo(jnp.int32).max
-_INT_MIN = jnp.iinfo(jnp.int32).min
 
 
 # ---------------------------------------------------------------------------
-# Small shared helpers.
+# Block layout helpers and the indexer's KL loss.
 # ---------------------------------------------------------------------------
 def _cdiv(a: int, b: int) -> int:
   return -(-a // b)
-
-
-def pad_axis1(x: jax.Array, size: int, value) -> jax.Array:
-  """Pads axis 1 of x up to `size` with `value`."""
-  extra = size - x.shape[1]
-  if extra == 0:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[1] = (0, extra)
-  return jnp.pad(x, widths, constant_values=value)
 
 
 def _to_blocks(x: jax.Array, block: int) -> jax.Array:
@@ -73,20 +72,6 @@ def _from_blocks(x: jax.Array) -> jax.Array:
 def _gather_rows(x: jax.Array, idx: jax.Array) -> jax.Array:
   """x [b, s, ...], idx [b, t, j] -> x[b, idx] [b, t, j, ...]."""
   return jax.vmap(lambda xb, ib: jnp.take(xb, ib, axis=0, mode="clip"))(x, idx)
-
-
-def masked_softmax(logits: jax.Array, mask: jax.Array) -> jax.Array:
-  """Softmax over the last axis restricted to `mask`, in f32.
-
-  A row with no allowed entry gives all zeros (not NaN). Masked entries are
-  replaced before exp, so their gradient is exactly zero, never inf * 0.
-  """
-  logits = logits.astype(jnp.float32)
-  m = jnp.max(jnp.where(mask, logits, _NEG_INF), axis=-1, keepdims=True)
-  m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
-  e = jnp.where(mask, jnp.exp(jnp.where(mask, logits, m) - m), 0.0)
-  den = jnp.sum(e, axis=-1, keepdims=True)
-  return e / jnp.where(den > 0, den, 1.0)
 
 
 def masked_log_softmax(logits: jax.Array, mask: jax.Array) -> jax.Array:
@@ -124,87 +109,9 @@ def indexer_kl(p_target: jax.Array, logits: jax.Array, mask: jax.Array) -> jax.A
   return jnp.sum(jnp.where(rows, kl_row, 0.0)) / jnp.maximum(jnp.sum(rows), 1)
 
 
-def _need(cond: bool, msg: str) -> None:
-  if not cond:
-    raise ValueError(msg)
-
-
 # ---------------------------------------------------------------------------
-# Indexer: dense reference and blockwise top-k.
+# Indexer: blockwise top-k and the selected keys' scores.
 # ---------------------------------------------------------------------------
-def allowed_mask(q_pos: jax.Array, q_seg: jax.Array, k_pos: jax.Array, k_seg: jax.Array) -> jax.Array:
-  """Dense reference mask [b, t, s]: same segment, key not in the future, k_seg >= 0."""
-  same = k_seg[:, None, :] == q_seg[:, :, None]
-  return same & (k_seg[:, None, :] >= 0) & (k_pos[:, None, :] <= q_pos[:, :, None])
-
-
-def _index_scores(q_idx: jax.Array, w_idx: jax.Array, k_idx: jax.Array) -> jax.Array:
-  """I[b,t,s] = sum_h w[b,t,h] relu(q[b,t,h] . k[b,s]) in f32 (any s)."""
-  dots = einsum_f32("bthk,bsk->bths", q_idx, k_idx)
-  return jnp.einsum("bths,bth->bts", jax.nn.relu(dots), w_idx.astype(jnp.float32))
-
-
-def indexer_scores_dense(q_idx: jax.Array, w_idx: jax.Array, k_idx: jax.Array) -> jax.Array:
-  """Dense lightning-indexer scores (reference; builds the full matrix).
-
-  Args:
-    q_idx: [b, t, h, k] indexer queries.
-    w_idx: [b, t, h] per-head weights.
-    k_idx: [b, s, k] indexer keys (one per token, shared by the heads).
-
-  Returns:
-    [b, t, s] f32 scores, unmasked.
-  """
-  return _index_scores(q_idx, w_idx, k_idx)
-
-
-def check_topk_args(q_idx, w_idx, k_idx, q_pos, q_seg, k_pos, k_seg, topk, query_block, key_block):
-  _need(q_idx.ndim == 4, f"blockwise_topk: q_idx must be [b, t, heads, dim], got shape {q_idx.shape}.")
-  b, t, h, k = q_idx.shape
-  _need(b > 0 and t > 0 and k_idx.ndim == 3 and k_idx.shape[1] > 0,
-        f"blockwise_topk: need at least one query and one key, got q_idx {q_idx.shape}, "
-        f"k_idx {k_idx.shape}.")
-  _need(w_idx.shape == (b, t, h),
-        f"blockwise_topk: w_idx must be [b, t, heads]={(b, t, h)}, got {w_idx.shape}.")
-  _need(k_idx.ndim == 3 and k_idx.shape[0] == b and k_idx.shape[2] == k,
-        f"blockwise_topk: k_idx must be [b={b}, s, dim={k}], got {k_idx.shape}.")
-  s = k_idx.shape[1]
-  for name, arr, want in (("q_pos", q_pos, (b, t)), ("q_seg", q_seg, (b, t)),
-                          ("k_pos", k_pos, (b, s)), ("k_seg", k_seg, (b, s))):
-    _need(arr.shape == want, f"blockwise_topk: {name} must have shape {want}, got {arr.shape}.")
-    _need(jnp.issubdtype(arr.dtype, jnp.integer),
-          f"blockwise_topk: {name} must be an integer array, got {arr.dtype}.")
-  for name, val in (("topk", topk), ("query_block", query_block), ("key_block", key_block)):
-    _need(isinstance(val, int) and val > 0, f"blockwise_topk: {name}={val!r} must be a positive int.")
-
-
-def _block_stats(pos: jax.Array, seg: jax.Array, block: int):
-  """Per block (over batch too): min/max position and segment of entries with seg >= 0.
-
-  pos, seg: [b, n*block]. Returns four int32 [n] arrays; a block with no live
-  entry gets (INT_MAX, INT_MIN, INT_MAX, INT_MIN) so it never looks needed.
-  """
-  live = seg >= 0
-  def red(x, fill, fn):
-    x = jnp.where(live, x, fill).reshape(x.shape[0], -1, block)
-    return fn(fn(x, axis=2), axis=0)
-  return (red(pos, _INT_MAX, jnp.min), red(pos, _INT_MIN, jnp.max),
-          red(seg, _INT_MAX, jnp.min), red(seg, _INT_MIN, jnp.max))
-
-
-def needed_blocks(q_pos, q_seg, k_pos, k_seg, qb: int, kb: int) -> jax.Array:
-  """[nq, nk] bool: key block j may hold an allowed key for query block i.
-
-  Conservative (a superset) from block-level min/max of positions and segment
-  ids; the exact mask is applied inside the block. It is the block grid, far
-  smaller than N x N.
-  """
-  _, qpos_max, qseg_min, qseg_max = _block_stats(q_pos, q_seg, qb)
-  kpos_min, _, kseg_min, kseg_max = _block_stats(k_pos, k_seg, kb)
-  return ((kpos_min[None, :] <= qpos_max[:, None]) & (kseg_min[None, :] <= qseg_max[:, None])
-          & (kseg_max[None, :] >= qseg_min[:, None]))
-
-
 def _topk_query_block(q, w, qp, qs, k_idx, k_pos, k_seg, needed, topk: int, kb: int):
   """Running top-k over the needed key blocks for one query block.
 
@@ -224,7 +131,7 @@ def _topk_query_block(q, w, qp, qs, k_idx, k_pos, k_seg, needed, topk: int, kb: 
     kk = jax.lax.dynamic_slice_in_dim(k_idx, start, kb, axis=1)
     kp = jax.lax.dynamic_slice_in_dim(k_pos, start, kb, axis=1)
     ks = jax.lax.dynamic_slice_in_dim(k_seg, start, kb, axis=1)
-    scores = jnp.where(allowed_mask(qp, qs, kp, ks), _index_scores(q, w, kk), _NEG_INF)
+    scores = jnp.where(allowed_mask(qp, qs, kp, ks), indexer_scores_dense(q, w, kk), _NEG_INF)
     ids = jnp.broadcast_to(start + jnp.arange(kb, dtype=jnp.int32), (b, qb, kb))
     vals, pick = jax.lax.top_k(jnp.concatenate([vals, scores], axis=-1), topk)
     idx = jnp.take_along_axis(jnp.concatenate([idx, ids], axis=-1), pick, axis=-1)
@@ -302,9 +209,9 @@ def selected_indexer_scores(q_idx: jax.Array, w_idx: jax.Array, k_idx: jax.Array
     [b, t, j] f32 scores I[t, idx[t, j]].
   """
   b, t, h, k = q_idx.shape
-  _need(w_idx.shape == (b, t, h) and k_idx.ndim == 3 and k_idx.shape[2] == k and idx.shape[:2] == (b, t),
-        f"selected_indexer_scores: shapes q_idx {q_idx.shape}, w_idx {w_idx.shape}, "
-        f"k_idx {k_idx.shape}, idx {idx.shape} do not match [b,t,h,k], [b,t,h], [b,s,k], [b,t,j].")
+  need(w_idx.shape == (b, t, h) and k_idx.ndim == 3 and k_idx.shape[2] == k and idx.shape[:2] == (b, t),
+       f"selected_indexer_scores: shapes q_idx {q_idx.shape}, w_idx {w_idx.shape}, "
+       f"k_idx {k_idx.shape}, idx {idx.shape} do not match [b,t,h,k], [b,t,h], [b,s,k], [b,t,j].")
   qb = min(query_block, t)
   tp = _cdiv(t, qb) * qb
 
@@ -320,28 +227,8 @@ def selected_indexer_scores(q_idx: jax.Array, w_idx: jax.Array, k_idx: jax.Array
 
 
 # ---------------------------------------------------------------------------
-# Main attention: MQA over the MLA latent, sparse and dense reference.
+# Main attention: sparse MQA over the MLA latent.
 # ---------------------------------------------------------------------------
-def check_mqa_args(fn: str, q_lat, q_rope, latent, k_rope) -> tuple[int, int, int, int]:
-  _need(q_lat.ndim == 4, f"{fn}: q_lat must be [b, t, heads, latent], got shape {q_lat.shape}.")
-  b, t, h, c = q_lat.shape
-  _need(q_rope.ndim == 4 and q_rope.shape[:3] == (b, t, h),
-        f"{fn}: q_rope must be [b={b}, t={t}, heads={h}, rope], got {q_rope.shape}.")
-  _need(latent.ndim == 3 and latent.shape[0] == b and latent.shape[2] == c,
-        f"{fn}: latent must be [b={b}, s, latent={c}], got {latent.shape}.")
-  s = latent.shape[1]
-  _need(k_rope.shape == (b, s, q_rope.shape[3]),
-        f"{fn}: k_rope must be [b, s, rope]={(b, s, q_rope.shape[3])}, got {k_rope.shape}.")
-  return b, t, h, s
-
-
-def _head_summed(p: jax.Array) -> jax.Array:
-  """[b, t, h, n] probabilities -> [b, t, n] summed over heads, L1-normalised (0 rows stay 0)."""
-  ps = jnp.sum(p, axis=2)
-  tot = jnp.sum(ps, axis=-1, keepdims=True)
-  return ps / jnp.where(tot > 0, tot, 1.0)
-
-
 def sparse_mqa_attention(q_lat: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array,
                          idx: jax.Array, valid: jax.Array, scale: float,
                          query_block: int) -> tuple[jax.Array, jax.Array]:
@@ -366,11 +253,11 @@ def sparse_mqa_attention(q_lat: jax.Array, q_rope: jax.Array, latent: jax.Array,
     and p_sel [b, t, j] f32, the head-summed probabilities normalised to sum 1.
   """
   b, t, h, _ = check_mqa_args("sparse_mqa_attention", q_lat, q_rope, latent, k_rope)
-  _need(idx.ndim == 3 and idx.shape[:2] == (b, t) and valid.shape == idx.shape,
-        f"sparse_mqa_attention: idx and valid must both be [b={b}, t={t}, topk], "
-        f"got {idx.shape} and {valid.shape}.")
-  _need(isinstance(query_block, int) and query_block > 0,
-        f"sparse_mqa_attention: query_block={query_block!r} must be a positive int.")
+  need(idx.ndim == 3 and idx.shape[:2] == (b, t) and valid.shape == idx.shape,
+       f"sparse_mqa_attention: idx and valid must both be [b={b}, t={t}, topk], "
+       f"got {idx.shape} and {valid.shape}.")
+  need(isinstance(query_block, int) and query_block > 0,
+       f"sparse_mqa_attention: query_block={query_block!r} must be a positive int.")
   dtype = q_lat.dtype
   qb = min(query_block, t)
   tp = _cdiv(t, qb) * qb
@@ -382,30 +269,9 @@ def sparse_mqa_attention(q_lat: jax.Array, q_rope: jax.Array, latent: jax.Array,
               + einsum_f32("bthp,btjp->bthj", qr, _gather_rows(k_rope, ix))) * scale
     p = masked_softmax(logits, vd[:, :, None, :])
     out = einsum("bthj,btjc->bthc", p, g_lat, dtype)
-    return out, _head_summed(p)
+    return out, head_summed(p)
 
   blocks = (_to_blocks(pad_axis1(q_lat, tp, 0), qb), _to_blocks(pad_axis1(q_rope, tp, 0), qb),
             _to_blocks(pad_axis1(idx, tp, 0), qb), _to_blocks(pad_axis1(valid, tp, False), qb))
   out, p_sel = jax.lax.map(jax.checkpoint(body, prevent_cse=False), blocks)
   return _from_blocks(out)[:, :t], _from_blocks(p_sel)[:, :t]
-
-
-def dense_mqa_attention(q_lat: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array,
-                        mask: jax.Array, scale: float) -> tuple[jax.Array, jax.Array]:
-  """Dense MQA over the latent with an explicit [b, t, s] mask (reference / warm-up).
-
-  Args:
-    q_lat: [b, t, h, c]; q_rope: [b, t, h, p]; latent: [b, s, c]; k_rope: [b, s, p].
-    mask: [b, t, s] bool.
-    scale: softmax scale.
-
-  Returns:
-    out_lat [b, t, h, c] and p [b, t, s] f32 head-summed, L1-normalised probabilities.
-  """
-  b, t, _, s = check_mqa_args("dense_mqa_attention", q_lat, q_rope, latent, k_rope)
-  _need(mask.shape == (b, t, s), f"dense_mqa_attention: mask must be [b, t, s]={(b, t, s)}, "
-        f"got {mask.shape}.")
-  logits = (einsum_f32("bthc,bsc->bths", q_lat, latent)
-            + einsum_f32("bthp,bsp->bths", q_rope, k_rope)) * scale
-  p = masked_softmax(logits, mask[:, :, None, :])
-  return einsum("bths,bsc->bthc", p, latent, q_lat.dtype), _head_summed(p)

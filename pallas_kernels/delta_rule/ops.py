@@ -38,10 +38,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from model.attention.delta_rule import check_inputs as check_reference_inputs
-from model.attention.delta_rule import initial_state_or_zeros as initial_or_zeros
-from pallas_kernels.common import next_pow2, resolve_interpret
+from pallas_kernels.backend import resolve_interpret
+from pallas_kernels.common import next_pow2
 from pallas_kernels.delta_rule import kernel
+from pallas_kernels.delta_rule.reference import check_inputs as check_reference_inputs
+from pallas_kernels.delta_rule.reference import initial_state_or_zeros as initial_or_zeros
 
 _FN = "pallas chunk_gated_delta_rule"
 _TPU_TIME_BLOCK_TOKENS = 512  # default tokens per TPU grid step (VMEM per step stays ~MiBs)

@@ -29,14 +29,14 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
-from model.attention.sparse import check_topk_args, needed_blocks
-from model.attention.sparse import pad_axis1 as _pad1
+from pallas_kernels.backend import resolve_backend, resolve_interpret
 from pallas_kernels.common import is_pow2 as _pow2
 from pallas_kernels.common import need as _need
 from pallas_kernels.common import next_pow2 as _next_pow2
-from pallas_kernels.common import resolve_backend, resolve_interpret
+from pallas_kernels.common import pad_axis1 as _pad1
 from pallas_kernels.common import round_up as _round_up
 from pallas_kernels.indexer_topk import kernel
+from pallas_kernels.indexer_topk.reference import check_topk_args, needed_blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +69,7 @@ class BlockSizes:
 
 
 def _check_args(q_idx, w_idx, k_idx, q_pos, q_seg, k_pos, k_seg, topk, query_block, key_block):
-  """The XLA path's checks (same signature, same messages), plus at least one indexer head."""
+  """The reference's checks (the XLA path runs them too: same messages), plus at least one head."""
   check_topk_args(q_idx, w_idx, k_idx, q_pos, q_seg, k_pos, k_seg, topk, query_block, key_block)
   b, t, h, d = q_idx.shape
   _need(h > 0, f"pallas blockwise_topk: need at least one indexer head, got q_idx {q_idx.shape}.")

@@ -35,13 +35,13 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
-from model.attention.sparse import check_mqa_args
+from pallas_kernels.backend import resolve_backend, resolve_interpret
 from pallas_kernels.common import is_pow2 as _pow2
 from pallas_kernels.common import need as _need
 from pallas_kernels.common import next_pow2 as _next_pow2
-from pallas_kernels.common import resolve_backend, resolve_interpret
 from pallas_kernels.common import round_up as _round_up
 from pallas_kernels.sparse_attention import kernel
+from pallas_kernels.sparse_attention.reference import check_mqa_args
 
 _F32 = jnp.float32
 
@@ -82,7 +82,7 @@ class BlockSizes:
 
 def _check_args(q_lat, q_rope, latent, k_rope, idx, valid, scale, query_block):
   fn = "pallas sparse_mqa_attention"
-  b, t, h, s = check_mqa_args(fn, q_lat, q_rope, latent, k_rope)  # the XLA path's shape checks
+  b, t, h, s = check_mqa_args(fn, q_lat, q_rope, latent, k_rope)  # shared with the XLA path
   c = q_lat.shape[3]
   _need(0 not in q_lat.shape and s > 0,
         f"{fn}: need non-empty q_lat and latent (at least one query, head and key), got "

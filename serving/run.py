@@ -1,17 +1,17 @@
-"""Glue shared by the OpenAI and Anthropic front-ends: render, submit, collect, stream.
+"""Running generations for the API front-ends: submit to the engine, collect or stream the events.
 
-Both APIs do the same four things per request: render the conversation with
-the one chat renderer (serving/chat.py), build an `OutputProcessor` (thinking
-budget, stop strings, tool calls), submit to the engine, then either collect
-the events into one result or forward them as they come. Keeping that here
-means the two front-ends differ only in JSON shapes.
+A prepared request (serving/prepare.py) is submitted as one engine `Request`
+per choice; the front-end then either collects each handle's events into one
+`Result` (non-streaming) or forwards them as they come (`stream_events`,
+`merge_streams`) in server-sent events (`sse`, `EventStreamResponse`).
 
 Cancellation: a streaming client that goes away must free its slot at once
 (issue 5). Starlette neither closes a response's body iterator when the
 client disconnects nor when sending fails, so `EventStreamResponse` wraps the
 ASGI call in `try/finally` and cancels its handles there; `stream_events`
 also cancels when its consumer closes it early. A non-streaming request
-listens for the disconnect while it waits (`collect(..., request=...)`).
+listens for the disconnect while it waits (`collect_all(..., request=...)`,
+`watch_disconnect`).
 """
 
 from __future__ import annotations
@@ -25,8 +25,11 @@ from typing import Any
 import numpy as np
 from starlette.responses import StreamingResponse
 
-from serving.engine import OverloadedError, Request, RequestError
+from serving.context import ServerContext
+from serving.errors import APIError
+from serving.handle import Handle, Request
 from serving.output import AUTO, OutputProcessor
+from serving.prepare import check_images, make_processor, render
 from serving.types import (
   Message,
   SamplingParams,
@@ -38,37 +41,6 @@ from serving.types import (
   ToolChoice,
   Usage,
 )
-
-# What `Engine.submit` raises for a request; the server maps them with `engine_error`.
-ENGINE_ERRORS: tuple[type[Exception], ...] = (RequestError, OverloadedError)
-
-
-class APIError(Exception):
-  """An error for the client; the server shapes it by path (OpenAI or Anthropic).
-
-  Args:
-    status: HTTP status.
-    message: what went wrong and how to fix it.
-    param: the request field at fault (OpenAI `param`; prefixed to the message for Anthropic).
-    code: OpenAI `code` (e.g. "invalid_api_key"; "overloaded" also selects Anthropic's 529).
-    type: OpenAI `type` override (default by status).
-  """
-
-  def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-               type: str | None = None):  # noqa: A002 (the field's name in both APIs)
-    super().__init__(message)
-    self.status = status
-    self.message = message
-    self.param = param
-    self.code = code
-    self.type = type
-
-
-def engine_error(exc: Exception) -> APIError:
-  """RequestError -> 400 naming its param; OverloadedError -> 429 (OpenAI) / 529 (Anthropic)."""
-  if isinstance(exc, OverloadedError):
-    return APIError(429, f"The server is overloaded: {exc}. Retry later.", code="overloaded")
-  return APIError(400, str(getattr(exc, "message", None) or exc), param=getattr(exc, "param", None))
 
 
 @dataclasses.dataclass
@@ -82,64 +54,23 @@ class Result:
   stop_sequence: str | None
 
 
-# Effort mapping (issue 5, serving_spec.md): OpenAI reasoning_effort -> tier (None = thinking off).
-OPENAI_EFFORT_TIERS: dict[str, str | None] = {"none": None, "minimal": None, "low": "low",
-                                              "medium": "high", "high": "high", "xhigh": "max",
-                                              "max": "max"}
-
-
-def submit(app_state, prompt_ids: Sequence[int], images: Sequence[np.ndarray] | None,
-           processor: OutputProcessor, params: SamplingParams):
+def submit(ctx: ServerContext, prompt_ids: Sequence[int], images: Sequence[np.ndarray] | None,
+           processor: OutputProcessor, params: SamplingParams) -> Handle:
   """Submits one request to the engine; returns its Handle (RequestError/OverloadedError propagate)."""
   pixels = np.stack([np.asarray(im, np.float32) for im in images]) if images else None
   request = Request(prompt_ids=list(prompt_ids), params=params, images=pixels, processor=processor)
-  return app_state.engine.submit(request, loop=asyncio.get_running_loop())
+  return ctx.engine.submit(request, loop=asyncio.get_running_loop())
 
 
-def render(app_state, messages: list[Message], *, tools: Sequence[Tool], thinking: bool,
-           effort: str | None, continue_final: bool = False):
-  """Renders a conversation with the app's ChatRenderer; renderer ValueErrors become 400s.
-
-  continue_final: the last message is an assistant prefill the generation continues.
-  """
-  try:
-    return app_state.renderer.render(messages, tools=tools, effort=effort if thinking else None,
-                                     thinking=thinking, add_generation_prompt=True,
-                                     continue_final=continue_final)
-  except ValueError as e:
-    message = str(e)
-    param = message.split(":", 1)[0] if message.startswith(("messages", "tools")) else None
-    raise APIError(400, message, param=param and param.split(" ")[0]) from None
-
-
-def check_images(app_state, n_images: int, param: str) -> None:
-  """Too many images -> 400 (config.serving.max_images)."""
-  limit = int(app_state.config.serving.max_images)
-  if n_images > limit:
-    raise APIError(400, f"The request has {n_images} images; this server accepts at most {limit} per "
-                   "request (config.serving.max_images).", param=param)
-
-
-def make_processor(app_state, *, thinking: bool, thinking_budget: int | None, stop: Sequence[str] = (),
-                   tools: Sequence[Tool] = (), tool_choice: ToolChoice = AUTO,
-                   call_id_prefix: str = "call_") -> OutputProcessor:
-  """A fresh OutputProcessor for one generation; its ValueErrors become 400s."""
-  try:
-    return OutputProcessor(app_state.tokenizer, thinking=thinking, thinking_budget=thinking_budget,
-                           stop=list(stop), tools=tools, tool_choice=tool_choice,
-                           call_id_prefix=call_id_prefix)
-  except ValueError as e:
-    raise APIError(400, str(e)) from None
-
-
-def start_generation(app_state, messages: list[Message], *, tools: Sequence[Tool] = (),
+def start_generation(ctx: ServerContext, messages: list[Message], *, tools: Sequence[Tool] = (),
                      tool_choice: ToolChoice = AUTO, thinking: bool, thinking_budget: int | None,
                      effort: str | None, params: SamplingParams, stop: Sequence[str] = (),
-                     call_id_prefix: str = "call_", continue_final: bool = False):
+                     call_id_prefix: str = "call_",
+                     continue_final: bool = False) -> tuple[Handle, int, OutputProcessor]:
   """Renders, builds the output processor and submits one generation.
 
   Args:
-    app_state: the app's state (renderer, engine, tokenizer, config).
+    ctx: the server's context (renderer, engine, tokenizer, limits).
     messages: the conversation.
     tools, tool_choice: what the model may / must call.
     thinking: the generation prompt opens a thinking block.
@@ -158,17 +89,16 @@ def start_generation(app_state, messages: list[Message], *, tools: Sequence[Tool
     APIError: a malformed conversation (400, naming the field).
     RequestError / OverloadedError: the engine refused it (the server maps them).
   """
-  rendered = render(app_state, messages, tools=tools, thinking=thinking, effort=effort,
+  rendered = render(ctx, messages, tools=tools, thinking=thinking, effort=effort,
                     continue_final=continue_final)
-  check_images(app_state, len(rendered.images), "messages")
-  processor = make_processor(app_state, thinking=thinking and not continue_final,
-                             thinking_budget=thinking_budget, stop=stop,
-                             tools=tools, tool_choice=tool_choice, call_id_prefix=call_id_prefix)
-  handle = submit(app_state, rendered.ids, rendered.images, processor, params)
+  check_images(ctx, len(rendered.images), "messages")
+  processor = make_processor(ctx, thinking=thinking and not continue_final, thinking_budget=thinking_budget,
+                             stop=stop, tools=tools, tool_choice=tool_choice, call_id_prefix=call_id_prefix)
+  handle = submit(ctx, rendered.ids, rendered.images, processor, params)
   return handle, len(rendered.ids), processor
 
 
-async def _watch_disconnect(request, handles: Sequence[Any]) -> None:
+async def watch_disconnect(request, handles: Sequence[Any]) -> None:
   """Cancels `handles` when the HTTP client disconnects (the body was already read)."""
   while True:
     message = await request.receive()
@@ -204,7 +134,7 @@ async def collect_all(handles: Sequence[Any], request=None) -> list[Result]:
     handles: engine Handles.
     request: the Starlette request; when given, a client disconnect cancels every handle.
   """
-  watcher = asyncio.ensure_future(_watch_disconnect(request, handles)) if request is not None else None
+  watcher = asyncio.ensure_future(watch_disconnect(request, handles)) if request is not None else None
   try:
     return list(await asyncio.gather(*(_gather(h) for h in handles)))
   finally:

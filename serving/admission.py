@@ -1,0 +1,76 @@
+"""What the engine admits: a Request checked against the engine's limits before it is queued.
+
+A request that fails here never takes a slot; the caller gets a
+`RequestError` whose `param` names the field at fault (the servers turn it
+into a 400 naming that field). The checks are what the engine relies on
+later: every id is in the vocabulary, `len(prompt) + max_tokens` fits the
+slot's `max_context` (under `jit` the model silently drops cache writes
+beyond its length, so the engine must never get there), and the image
+placeholders of the prompt match the images one to one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from serving.handle import Request, RequestError
+
+
+def validate_request(request: Request, *, max_context: int, vocab_size: int, model_cfg: Any,
+                     has_vision: bool) -> None:
+  """Raises RequestError for a request the engine cannot run as given.
+
+  Args:
+    request: the request.
+    max_context: tokens per slot (prompt + generated).
+    vocab_size: the model's vocabulary size.
+    model_cfg: the served ModelConfig (image placeholder id, vision settings).
+    has_vision: the model has a vision encoder.
+  """
+  ids, p = request.prompt_ids, request.params
+  if len(ids) == 0:
+    raise RequestError("the prompt is empty; give at least one token.", "prompt")
+  if len(ids) > max_context:
+    raise RequestError(f"the prompt has {len(ids)} tokens, more than the context of "
+                       f"{max_context} tokens; shorten it.", "prompt")
+  arr = np.asarray(ids)
+  if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer) or arr.min() < 0 or arr.max() >= vocab_size:
+    raise RequestError(f"prompt ids must be ints in [0, {vocab_size}).", "prompt")
+  if not isinstance(p.max_tokens, int) or p.max_tokens < 1:
+    raise RequestError(f"max_tokens={p.max_tokens!r} must be a positive int.", "max_tokens")
+  if len(ids) + p.max_tokens > max_context:
+    raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({p.max_tokens}) = "
+                       f"{len(ids) + p.max_tokens} exceeds the context of {max_context} "
+                       f"tokens; lower max_tokens to at most {max_context - len(ids)}.", "max_tokens")
+  if not np.isfinite(p.temperature) or p.temperature < 0:
+    raise RequestError(f"temperature={p.temperature} must be >= 0 (0 = greedy).", "temperature")
+  if not 0 < p.top_p <= 1:
+    raise RequestError(f"top_p={p.top_p} must be in (0, 1].", "top_p")
+  if not isinstance(p.top_k, int) or p.top_k < 0:
+    raise RequestError(f"top_k={p.top_k!r} must be an int >= 0 (0 = off).", "top_k")
+  if p.seed is not None and not isinstance(p.seed, (int, np.integer)):
+    raise RequestError(f"seed={p.seed!r} must be an int (or None).", "seed")
+  if any(not 0 <= t < vocab_size for t in p.stop_token_ids):
+    raise RequestError(f"stop_token_ids must be ids in [0, {vocab_size}).", "stop_token_ids")
+  _validate_images(arr, request.images, model_cfg, has_vision)
+
+
+def _validate_images(prompt: np.ndarray, images: np.ndarray | None, model_cfg: Any, has_vision: bool) -> None:
+  """The images' shape, and exactly num_patches placeholder ids in the prompt per image."""
+  n_ph = int(np.sum(prompt == model_cfg.image_token_id))
+  m = 0 if images is None else len(images)
+  if m and not has_vision:
+    raise RequestError("this model has no vision encoder (config.model.vision.enabled is False).", "images")
+  if m:
+    v = model_cfg.vision
+    want = (v.image_size, v.image_size, v.num_channels)
+    if np.ndim(images) != 4 or tuple(np.shape(images)[1:]) != want:
+      raise RequestError(f"images: expected [n, {want[0]}, {want[1]}, {want[2]}] float32 in [0, 1], "
+                         f"got shape {list(np.shape(images))}; resize them first.", "images")
+  per = model_cfg.vision.num_patches
+  if n_ph != m * per:
+    raise RequestError(f"the prompt has {n_ph} image placeholder tokens but {m} image(s) x {per} "
+                       f"patches = {m * per} were given; each image needs exactly {per} "
+                       "placeholders.", "images" if m else "prompt")

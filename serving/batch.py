@@ -1,0 +1,139 @@
+"""The engine's batch: per-slot request state, the jitted programs over all slots, row constraints.
+
+Why prefill and decode are separate calls with fixed shapes: a request's
+numerics must not depend on what else runs. Every computation in the model is
+per row (attention, the delta rule, dropless MoE whose per-token result does
+not depend on the other tokens' routing), each jitted program has one shape
+(the prefill always takes image patches, zeros when a chunk has none), and
+sampling is `vmap`ped per row with a per-request key
+`fold_in(fold_in(PRNGKey(seed), 0), n_generated)` (serving/sampling.py); so
+the same request and seed give bit-identical tokens alone or among others, in
+any slot (tests/test_engine.py; checked on XLA:CPU in f32 and bf16, where MoE
+runs the 'blocked' grouped matmul). On TPU/GPU this relies on XLA's native
+ragged dot computing each row independently of where the expert-group
+boundaries fall.
+
+The model enters the programs as `nnx.split` graphdef + state: the state is
+an argument (so `Engine.update_weights` swaps weights without recompiling),
+and the decode state is donated.
+
+Shapes: S slots, C prefill chunk, V vocab, d model dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from model.decoder import reset_cache_rows
+from serving.handle import Handle
+from serving.sampling import sample_rows
+from serving.types import SamplingParams, TokenProcessor
+
+_log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Slot:
+  """A request occupying one batch row."""
+  handle: Handle
+  prompt: np.ndarray  # int32 [P]
+  stop_ids: frozenset[int]
+  seed: int
+  patches: np.ndarray | None = None  # f32 [m * num_patches, d]: encoded at admission
+  fed: int = 0  # prompt tokens prefilled so far
+  images_fed: int = 0  # image placeholders prefilled so far
+  cache_len: int = 0  # tokens in this row's decode state
+  generated: list[int] = dataclasses.field(default_factory=list)
+  pending: int | None = None  # the last sampled token, fed by the next decode step
+  last_time: float = 0.0
+
+  @property
+  def params(self) -> SamplingParams:
+    return self.handle.request.params
+
+  @property
+  def processor(self) -> TokenProcessor | None:
+    return self.handle.request.processor
+
+
+def compile_programs(graphdef: nnx.GraphDef) -> dict[str, Callable]:
+  """The engine's jitted programs (pure; the model enters as graphdef + state).
+
+  prefill(state, cache, tokens [S, C], lengths [S], image_embeds [S, C, d]) -> (last logits [S, V], cache);
+  decode(state, cache, tokens [S], valid bool [S]) -> (logits [S, V], cache); reset(cache, rows bool
+  [S]) zeroes rows; encode(state, images [1, H, W, C]) -> patches; sample: serving.sampling.sample_rows.
+  The decode state (prefill/decode argument 1, reset argument 0) is donated.
+  """
+
+  def prefill(state, cache, tokens, lengths, image_embeds):
+    model = nnx.merge(graphdef, state)
+    logits, cache = model.prefill(tokens, lengths, cache, image_embeds=image_embeds)
+    last = jnp.take_along_axis(logits, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)
+    return last[:, 0], cache
+
+  def decode(state, cache, tokens, valid):
+    # decode_step's maths (a one-token prefill) with a valid mask instead of all-ones, so rows
+    # that are idle or still prefilling are left untouched.
+    model = nnx.merge(graphdef, state)
+    logits, cache = model.prefill(tokens[:, None], valid.astype(jnp.int32), cache)
+    return logits[:, 0], cache
+
+  def encode(state, images):
+    return nnx.merge(graphdef, state).encode_images(images)
+
+  return {"prefill": jax.jit(prefill, donate_argnums=(1,)),
+          "decode": jax.jit(decode, donate_argnums=(1,)),
+          "reset": jax.jit(reset_cache_rows, donate_argnums=(0,)),
+          "encode": jax.jit(encode),
+          "sample": jax.jit(sample_rows)}
+
+
+def _row_constraint(proc: TokenProcessor, vocab_size: int) -> int | np.ndarray | None:
+  """A processor's constraint checked: a forced id, a bool [V] mask, or None (free)."""
+  c = proc.next_constraint()
+  if c is None:
+    return None
+  if isinstance(c, (int, np.integer)):
+    if not 0 <= int(c) < vocab_size:
+      raise ValueError(f"forced token {c} is outside the vocabulary [0, {vocab_size}).")
+    return int(c)
+  allowed = np.zeros(vocab_size, bool)
+  c = np.asarray(c, bool)
+  if c.ndim != 1 or len(c) > vocab_size or not c.any():
+    raise ValueError(f"mask must be a bool [<= {vocab_size}] array allowing some token, "
+                     f"got shape {c.shape} with {int(c.sum())} allowed.")
+  allowed[:len(c)] = c
+  return allowed
+
+
+def constraints(slots: Sequence[Slot | None], rows: Sequence[int],
+                vocab_size: int) -> tuple[np.ndarray, np.ndarray | None, list[int]]:
+  """Asks each row's processor: forced ids [S] (-1 = none), masks [S, V] (or None), failed rows.
+
+  A processor that raises (or returns an invalid constraint) fails its row only.
+  """
+  forced = np.full(len(slots), -1, np.int32)
+  masks, failed = None, []
+  for i in rows:
+    proc = slots[i].processor
+    if proc is None:
+      continue
+    try:
+      c = _row_constraint(proc, vocab_size)
+    except Exception:
+      _log.exception("processor.next_constraint failed for %s", slots[i].handle.id)
+      failed.append(i)
+      continue
+    if isinstance(c, int):
+      forced[i] = c
+    elif c is not None:
+      masks = np.ones((len(slots), vocab_size), bool) if masks is None else masks
+      masks[i] = c
+  return forced, masks, failed

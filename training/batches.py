@@ -1,0 +1,161 @@
+"""The training loop's data: global batches from `config.data.pipeline` = 'grain' | 'bytes'.
+
+grain  config.data.sources tokenized (config.data.tokenizer, default: the
+       bundled one) into ArrayRecord shards by process 0, then the grain
+       pipeline (`training.data`: shuffled, mixed, packed); each process reads
+       global_batch / processes rows. Resume restores the iterator's state.
+bytes  windows of the running interpreter's standard-library source as raw
+       bytes (`training.byte_corpus`): no tokenizer, no preparation, ids
+       0..255. Row r of step s is addressed by (config.data.shuffle_seed, s,
+       r), so each process builds exactly the rows its devices hold, the
+       global batch is the same for any number of processes (a multi-host run
+       reproduces a single-process run), and resuming needs no iterator state.
+
+Both yield `batch(step)`: a dict of global [global_batch, seq_len] arrays
+sharded over the mesh's batch axes, and `get_state()` / `set_state()` for the
+checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from absl import logging
+from etils import epath
+from jax.experimental import multihost_utils
+
+from model.config import ModelConfig
+from sharding.rules import activation_spec
+from training import byte_corpus
+from training import data as data_lib
+from training.data_sources import DataError, parse_sources
+from training.tokenizer import default_tokenizer_path, load_tokenizer
+from training.train_step import TrainConfig
+
+PIPELINES = ("grain", "bytes")
+
+
+def tokenizer_for(config):
+  """The run's tokenizer (config.data.tokenizer or the variant's bundled one), checked against the model."""
+  cfg = config.model
+  path = config.data.tokenizer or default_tokenizer_path(config.variant)
+  return load_tokenizer(path, model_vocab_size=cfg.vocab_size, image_token_id=cfg.image_token_id)
+
+
+def prepared_dir(config, workdir: str) -> str:
+  return config.data.prepared_dir or str(epath.Path(workdir) / "data")
+
+
+def prepare_data(config, workdir: str, tokenizer) -> dict:
+  """Process 0 prepares the shards; every process waits, then reads the manifest."""
+  out = prepared_dir(config, workdir)
+  if jax.process_index() == 0:
+    data_lib.prepare(parse_sources(config.data.sources), tokenizer, out,
+                     max_docs=config.data.max_docs or None, log=logging.info)
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices("horizon_prepare_data")
+  return data_lib.load_manifest(out)
+
+
+def _local_batch(tc: TrainConfig) -> int:
+  n = jax.process_count()
+  if tc.global_batch % n:
+    raise ValueError(f"config.train.global_batch={tc.global_batch} is not divisible by the "
+                     f"{n} processes; each process loads global_batch / processes rows.")
+  return tc.global_batch // n
+
+
+def _from_process_rows(mesh, local: dict[str, np.ndarray], global_batch: int) -> dict[str, jax.Array]:
+  out = {}
+  for name, value in local.items():
+    shape = (global_batch,) + value.shape[1:]
+    spec = activation_spec(("batch",) + ("length",) * (value.ndim - 1), shape, dict(mesh.shape))
+    out[name] = jax.make_array_from_process_local_data(jax.sharding.NamedSharding(mesh, spec), value, shape)
+  return out
+
+
+class GrainBatches:
+  """config.data.pipeline = 'grain': tokenized, prepared shards through the grain pipeline."""
+
+  pipeline = "grain"
+
+  def __init__(self, config, workdir: str, mesh: jax.sharding.Mesh, tc: TrainConfig):
+    self.config, self.workdir, self.mesh, self.tc = config, workdir, mesh, tc
+    self.tokenizer = tokenizer_for(config)
+    self.manifest = prepare_data(config, workdir, self.tokenizer)
+    self.local_batch = _local_batch(tc)
+    self._it = None
+
+  def start(self) -> None:
+    """Opens the pipeline (after the model is built: the order of the original loop)."""
+    ds = data_lib.make_lm_dataset(
+        prepared_dir(self.config, self.workdir), None, self.tc.seq_len, self.local_batch,
+        seed=self.config.data.shuffle_seed, process_index=jax.process_index(),
+        process_count=jax.process_count(), packing=self.config.data.packing)
+    self._it = iter(ds)
+
+  def batch(self, step: int) -> dict[str, jax.Array]:
+    del step  # the iterator's position is the step
+    return _from_process_rows(self.mesh, next(self._it), self.tc.global_batch)
+
+  def get_state(self) -> Any:
+    return self._it.get_state()
+
+  def set_state(self, state: Any) -> None:
+    if isinstance(state, dict) and state.get("pipeline") == "bytes":
+      raise DataError("the checkpoint was written with config.data.pipeline='bytes'; resume it with "
+                      "--config.data.pipeline=bytes, or start a new --workdir.")
+    self._it.set_state(state)
+
+  def summary(self) -> dict:
+    return {"prepared_dir": prepared_dir(self.config, self.workdir),
+            "data_tokens": sum(s["tokens"] for s in self.manifest["sources"].values())}
+
+
+class ByteBatches:
+  """config.data.pipeline = 'bytes': addressed windows of the stdlib's bytes (no iterator state)."""
+
+  pipeline = "bytes"
+
+  def __init__(self, config, cfg: ModelConfig, mesh: jax.sharding.Mesh, tc: TrainConfig):
+    if cfg.vocab_size < 256:
+      raise ValueError(f"config.model.vocab_size={cfg.vocab_size}: config.data.pipeline='bytes' "
+                       "needs >= 256 ids (one per byte).")
+    self.mesh, self.tc, self.seed = mesh, tc, int(config.data.shuffle_seed)
+    self.corpus = byte_corpus.load_stdlib_bytes()
+
+  def start(self) -> None:
+    pass
+
+  def batch(self, step: int) -> dict[str, jax.Array]:
+    tc = self.tc
+    return byte_corpus.global_batch(
+        self.mesh, tc.global_batch, tc.seq_len,
+        lambda rows: byte_corpus.lm_rows(self.corpus, self.seed, step, rows, tc.seq_len))
+
+  def get_state(self) -> dict:
+    return {"pipeline": "bytes", "seed": self.seed}
+
+  def set_state(self, state: Any) -> None:
+    if not (isinstance(state, dict) and state.get("pipeline") == "bytes"):
+      raise DataError("the checkpoint was written with config.data.pipeline='grain'; resume it with "
+                      "--config.data.pipeline=grain, or start a new --workdir.")
+    if state["seed"] != self.seed:
+      raise DataError(f"the checkpoint's byte batches used config.data.shuffle_seed={state['seed']}, "
+                      f"this run {self.seed}; resume with --config.data.shuffle_seed={state['seed']}.")
+
+  def summary(self) -> dict:
+    return {"prepared_dir": None, "data_tokens": int(len(self.corpus))}
+
+
+def make_batches(config, workdir: str, cfg: ModelConfig, mesh: jax.sharding.Mesh,
+                 tc: TrainConfig) -> GrainBatches | ByteBatches:
+  """The batch source config.data.pipeline names (grain prepares its data here, on process 0)."""
+  pipeline = config.data.pipeline
+  if pipeline == "grain":
+    return GrainBatches(config, workdir, mesh, tc)
+  if pipeline == "bytes":
+    return ByteBatches(config, cfg, mesh, tc)
+  raise ValueError(f"config.data.pipeline={pipeline!r}: choose one of {PIPELINES}.")
