@@ -11,6 +11,9 @@ Variants:
            top-k 16 so sparsity is exercised at test lengths.
   tiny_sharded -- tiny with dims divisible by 8-device meshes (2 layers).
   small -- CPU demo, ~60M total parameters.
+  agent -- agent work on CPU (SFT, RL and evaluation in minutes): the 8192-token
+           tokenizer of `small`, a 4096-token context (2048 served), 4 layers
+           of width 128.
   full  -- the seed design: 93 layers (24 Gated DSA + 69 Delta), 608 routed
            experts of width 2048 (top-14) + 1 shared, ~2.80T total / ~104B
            active language-model parameters, 1M-token context.
@@ -21,7 +24,7 @@ validates what it is given.
 
 import ml_collections
 
-VARIANTS = ("tiny", "tiny_sharded", "small", "full")
+VARIANTS = ("tiny", "tiny_sharded", "small", "agent", "full")
 
 
 def _full_model() -> ml_collections.ConfigDict:
@@ -148,6 +151,39 @@ def _small(m: ml_collections.ConfigDict) -> None:
   m.remat = "none"
 
 
+def _agent(m: ml_collections.ConfigDict) -> None:
+  """Sized for agent episodes on 2 CPU cores: long context, small width, `small`'s tokenizer."""
+  _small(m)
+  m.d_model = 128
+  m.num_layers = 4  # DSA, Delta, DSA, Delta
+  m.dense_ffn_dim = 384
+  m.max_seq_len = 4096
+  m.num_heads = 4
+  m.q_lora_rank = 64
+  m.kv_lora_rank = 32
+  m.qk_nope_dim = 24
+  m.qk_rope_dim = 8
+  m.v_head_dim = 32
+  m.index_heads = 2
+  m.index_head_dim = 16
+  m.index_topk = 128
+  m.dsa_query_block = 64
+  m.dsa_key_block = 128
+  m.delta_qk_heads = 2
+  m.delta_v_heads = 4
+  m.delta_qk_dim = 32
+  m.delta_v_dim = 32
+  m.num_experts = 8
+  m.experts_per_token = 2
+  m.expert_dim = 128
+  m.router_groups = 2
+  m.router_topk_groups = 1
+  m.vision.width = 64
+  m.vision.depth = 1
+  m.vision.num_heads = 2
+  m.vision.mlp_dim = 128
+
+
 def _tiny(m: ml_collections.ConfigDict) -> None:
   m.vocab_size = 331  # 256 bytes + 15 special tokens + 60 BPE merges (training/assets)
   m.d_model = 56
@@ -254,8 +290,9 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
   config.model = _full_model()
   config.mesh = _mesh()
   config.train = _train()
-  if arg in ("tiny", "tiny_sharded", "small"):
-    config.train.update(steps=200, global_batch=8, seq_len=64 if arg != "small" else 256,
-                        learning_rate=3e-3 if arg != "small" else 1e-3, warmup_steps=10)
-  {"small": _small, "tiny": _tiny, "tiny_sharded": _tiny_sharded}.get(arg, lambda m: None)(config.model)
+  if arg in ("tiny", "tiny_sharded", "small", "agent"):
+    config.train.update(steps=200, global_batch=8, seq_len=64 if arg not in ("small", "agent") else 256,
+                        learning_rate=3e-3 if arg not in ("small", "agent") else 1e-3, warmup_steps=10)
+  {"small": _small, "agent": _agent, "tiny": _tiny, "tiny_sharded": _tiny_sharded}.get(
+      arg, lambda m: None)(config.model)
   return config

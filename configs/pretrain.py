@@ -45,6 +45,9 @@ def _checkpoint() -> ml_collections.ConfigDict:
   c.every = 1000  # optimizer steps between (asynchronous) saves
   c.keep = 3  # newest checkpoints kept
   c.async_save = True
+  # A fresh run (no checkpoint in its workdir yet) starts from these weights (a checkpoint
+  # directory, e.g. pretraining's for SFT); the optimizer, step and data start anew. "" = random.
+  c.init_from = ""
   return c
 
 

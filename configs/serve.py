@@ -22,11 +22,12 @@ _BUDGETS = {
     "tiny": (8, 32, 96),
     "tiny_sharded": (8, 32, 96),
     "small": (64, 512, 2048),
+    "agent": (32, 128, 512),
     "full": (2048, 16384, 65536),
 }
-_SLOTS = {"tiny": 4, "tiny_sharded": 4, "small": 16, "full": 64}
-_CONTEXT = {"tiny": 256, "tiny_sharded": 256, "small": 2048, "full": 131072}
-_CHUNK = {"tiny": 32, "tiny_sharded": 32, "small": 128, "full": 8192}
+_SLOTS = {"tiny": 4, "tiny_sharded": 4, "small": 16, "agent": 32, "full": 64}
+_CONTEXT = {"tiny": 256, "tiny_sharded": 256, "small": 2048, "agent": 2048, "full": 131072}
+_CHUNK = {"tiny": 32, "tiny_sharded": 32, "small": 128, "agent": 256, "full": 8192}
 
 
 def _serving(variant: str) -> ml_collections.ConfigDict:

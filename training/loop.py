@@ -83,11 +83,11 @@ class _Run:
       if meta.get("rng") is not None:
         self.rng = meta["rng"]
       logging.info("resumed from %s at step %d", self.ckpt.directory, self.start)
-    elif config.train.get("init_checkpoint"):
+    elif config.checkpoint.get("init_from"):
       # A fresh run that starts from another run's weights (e.g. SFT from pretraining): the
       # parameters only; the optimizer state, step and data position start anew.
-      meta = restore_params(config.train.init_checkpoint, self.model)
-      logging.info("initialised weights from %s (step %d)", config.train.init_checkpoint, meta["step"])
+      meta = restore_params(config.checkpoint.init_from, self.model)
+      logging.info("initialised weights from %s (step %d)", config.checkpoint.init_from, meta["step"])
 
   def save(self, step: int, force: bool = False) -> bool:
     return self.ckpt.save(step, model=self.model, optimizer=self.optimizer,

@@ -59,7 +59,7 @@ SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
 ASSETS_DIR = Path(__file__).resolve().parent / "assets"
 # Variants whose tokenizer ships with the repo (tiny_sharded pads tiny's 331 ids to 332).
 _BUNDLED = {"tiny": "tokenizer_tiny.json", "tiny_sharded": "tokenizer_tiny.json",
-            "small": "tokenizer_small.json"}
+            "small": "tokenizer_small.json", "agent": "tokenizer_small.json"}
 _CREATE_HINT = "python -m experiments.train_tokenizer --config=configs/horizon.py:<variant> --out=PATH"
 
 DEFAULT_CORPUS_BYTES = 8 << 20  # training bytes of the stdlib corpus (training.byte_corpus)

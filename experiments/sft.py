@@ -1,0 +1,33 @@
+"""Supervised warm start on oracle trajectories and chat files (configs/sft.py).
+
+    python -m experiments.sft --config=configs/sft.py:agent --workdir=/tmp/horizon_sft
+    # from pretrained weights, on your own conversations (OpenAI chat format JSONL):
+    python -m experiments.sft --config=configs/sft.py:agent --workdir=/tmp/sft2 \
+        --config.checkpoint.init_from=/tmp/pretrain/checkpoints --config.sft.chat_files=chats.jsonl
+
+Loss on assistant tokens only, packed rows whose segments neither attention nor the delta
+rule's state crosses; checkpoints in <workdir>/checkpoints resume, and `experiments.serve` /
+`experiments.evaluate --checkpoint` load them. Last line: the run summary as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+
+from absl import app, flags
+
+from experiments.config_util import define_config_flag
+from rl.sft.train import run_sft
+
+_CONFIG = define_config_flag()
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics.jsonl).", required=True)
+
+
+def main(argv):
+  del argv
+  summary = run_sft(_CONFIG.value, _WORKDIR.value)
+  print(json.dumps(summary), flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main)

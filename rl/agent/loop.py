@@ -1,0 +1,163 @@
+"""The agent loop: one episode = render, generate, parse, execute tools, append, repeat.
+
+Used by RL rollouts, SFT data generation and evaluation alike. An episode ends when the
+assistant answers without a tool call, at the task's `max_turns` (assistant messages), or
+when the context is full (the token limit). Tool failures are tool results, never
+exceptions; a policy failure (an HTTP error, an engine error) ends only its own episode, with
+`end='error'` and the reason, and is graded like any other end state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+from rl.agent.episode import Episode, TurnSpan
+from rl.agent.executor import Executor
+from rl.agent.policy import Policy, Sampling
+from rl.tasks.schema import Task
+from serving.types import Message, TextPart
+
+_log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopConfig:
+  """default_max_turns: when the task sets none; system_prompt: an optional system message
+  (the harness may add one; the first user message is never rewritten)."""
+
+  default_max_turns: int = 8
+  system_prompt: str | None = None
+
+  @classmethod
+  def from_config(cls, env) -> "LoopConfig":
+    """From a config's `env` section (configs/sft.py)."""
+    return cls(default_max_turns=int(env.max_turns), system_prompt=env.system_prompt or None)
+
+
+DEFAULT_LOOP = LoopConfig()
+
+
+def _turn_end(comp) -> str | None:
+  """Why the episode ends after this completion, or None to run its tool calls."""
+  if comp.finish_reason in ("error", "cancelled"):
+    return "error"
+  if comp.finish_reason == "length":
+    return "length"
+  return None if comp.message.tool_calls else "answer"
+
+
+async def _run_tools(env, calls, ep: Episode) -> list[Message]:
+  results = []
+  for call in calls:
+    result = await env.execute(call)
+    ep.tool_calls += 1
+    ep.tool_errors += int(result.error)
+    results.append(Message("tool", [TextPart(result.content)], tool_call_id=call.id, name=call.name))
+  return results
+
+
+async def _play(task: Task, session, env, messages: list[Message], ep: Episode, max_turns: int) -> None:
+  """The turn loop; sets ep.end (and ep.error) and extends `messages` in place."""
+  ep.end = "max_turns"
+  for turn in range(max_turns):
+    gen_start = len(session.ids) if session.token_level else 0
+    try:
+      comp = await session.complete(messages, turn)
+    except Exception as e:  # the policy failed: this episode ends, the run goes on
+      _log.warning("task %s: policy failed on turn %d: %s", task.id, turn, e)
+      ep.end, ep.error = "error", f"{type(e).__name__}: {e}"
+      return
+    messages.append(comp.message)
+    ep.thinking_tokens += comp.thinking_tokens
+    ep.generated_tokens += comp.generated_tokens
+    if session.token_level:
+      prompt_start = ep.turns[-1].gen_end if ep.turns else 0
+      ep.turns.append(TurnSpan(prompt_start, gen_start, len(session.ids), comp.finish_reason))
+    end = _turn_end(comp)
+    if end is not None:
+      ep.end = end
+      if end == "error":
+        ep.error = f"generation ended with {comp.finish_reason!r}"
+      return
+    if turn == max_turns - 1:
+      return  # max_turns: the calls of the last allowed turn are not executed
+    results = await _run_tools(env, comp.message.tool_calls, ep)
+    session.append(messages, results)
+    messages += results
+    remaining = session.remaining_tokens()
+    if remaining is not None and remaining <= 0:
+      ep.end = "length"
+      return
+
+
+async def run_episode(
+  task: Task,
+  policy: Policy,
+  executor: Executor,
+  *,
+  tier: str | None,
+  sampling: Sampling,
+  config: LoopConfig = DEFAULT_LOOP,
+) -> Episode:
+  """Plays `task` to the end with `policy`; returns the graded Episode."""
+  start = time.monotonic()
+  ep = Episode(task_id=task.id, domain=task.domain, tier=tier)
+  env = await executor.open(task)
+  session = None
+  try:
+    first_text, tools = await env.reset()
+    messages: list[Message] = []
+    if config.system_prompt:
+      messages.append(Message("system", [TextPart(config.system_prompt)]))
+    messages.append(Message("user", [TextPart(first_text)]))
+    session = policy.session(task, messages, tools, tier, sampling)
+    await _play(task, session, env, messages, ep, task.max_turns or config.default_max_turns)
+    grade = await env.grade(ep_final_text(messages))
+    ep.reward, ep.success, ep.grade = float(grade.reward), bool(grade.success), dict(grade.details)
+    ep.messages = messages
+    if session.token_level:
+      ep.token_ids, ep.logprobs, ep.loss_mask = list(session.ids), list(session.logprobs), list(session.mask)
+  finally:
+    if session is not None:
+      session.close()
+    await env.close()
+  ep.wall_s = time.monotonic() - start
+  return ep
+
+
+def ep_final_text(messages: Sequence[Message]) -> str:
+  for m in reversed(messages):
+    if m.role == "assistant":
+      return "".join(p.text for p in m.content if isinstance(p, TextPart))
+  return ""
+
+
+async def run_episodes(
+  jobs: Sequence[tuple[Task, str | None, Sampling]],
+  policy: Policy,
+  executor: Executor,
+  *,
+  concurrency: int = 32,
+  config: LoopConfig = DEFAULT_LOOP,
+  on_done: Callable[[int, Episode], None] | None = None,
+) -> list[Episode]:
+  """Plays many episodes, at most `concurrency` at once; results in job order.
+
+  on_done(index, episode) is called as each finishes (progress bars, result files).
+  """
+  sem = asyncio.Semaphore(max(1, concurrency))
+  out: list[Episode | None] = [None] * len(jobs)
+
+  async def one(i: int) -> None:
+    task, tier, sampling = jobs[i]
+    async with sem:
+      out[i] = await run_episode(task, policy, executor, tier=tier, sampling=sampling, config=config)
+    if on_done is not None:
+      on_done(i, out[i])
+
+  await asyncio.gather(*(one(i) for i in range(len(jobs))))
+  return out

@@ -1,0 +1,1 @@
+"""Environments, one per domain, registered by name (`base.make_env`)."""

@@ -1,0 +1,150 @@
+"""Runs an evaluation: every task x tier x sample through a policy; one JSONL line per episode.
+
+Results are appended (and flushed) as episodes finish, keyed by (task id, tier, sample), so
+an interrupted run started again with the same `--results` file plays only what is missing.
+The report (rl/eval/report.py) is computed from the file, not from memory, so a resumed run
+reports the whole evaluation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rl.agent.executor import Executor
+from rl.agent.loop import DEFAULT_LOOP, LoopConfig, run_episodes
+from rl.agent.policy import Policy, Sampling
+from rl.tasks.schema import Task
+
+GREEDY = Sampling(temperature=0.0)
+TIER_OFF = "off"  # how a thinking-off run is written in results and tables
+
+
+def tier_name(tier: str | None) -> str:
+  return TIER_OFF if tier is None else tier
+
+
+def parse_tiers(text: str) -> list[str | None]:
+  """'low,high,max' -> tiers; 'off' (or 'none') is thinking off."""
+  out: list[str | None] = []
+  for part in (p.strip() for p in text.split(",") if p.strip()):
+    if part in ("off", "none"):
+      out.append(None)
+    elif part in ("low", "high", "max"):
+      out.append(part)
+    else:
+      raise ValueError(f"--tiers: unknown tier {part!r}; use low, high, max or off")
+  if not out:
+    raise ValueError("--tiers is empty; e.g. --tiers=low,high,max")
+  return out
+
+
+def job_key(task_id: str, tier: str | None, sample: int) -> str:
+  return f"{task_id}|{tier_name(tier)}|{sample}"
+
+
+def read_results(path: str | os.PathLike) -> list[dict[str, Any]]:
+  """The records of a results file (a torn last line from a crash is skipped)."""
+  path = Path(path)
+  if not path.exists():
+    return []
+  out = []
+  with open(path, encoding="utf-8") as f:
+    for line in f:
+      try:
+        out.append(json.loads(line))
+      except json.JSONDecodeError:
+        continue  # a line cut by a crash: that episode is played again
+  return out
+
+
+def evaluate(
+  tasks: Sequence[Task],
+  policy: Policy,
+  executor: Executor,
+  *,
+  tiers: Sequence[str | None],
+  samples: int = 1,
+  sampling: Sampling = GREEDY,
+  concurrency: int = 8,
+  results: str | os.PathLike,
+  config: LoopConfig = DEFAULT_LOOP,
+  progress: bool = True,
+  task_tier_wins: bool = False,
+) -> list[dict[str, Any]]:
+  """Plays what `results` lacks and returns every record for these tasks, tiers and samples.
+
+  Args:
+    tiers: tiers to evaluate (None = thinking off); with `task_tier_wins`, a task's own
+      `tier` field replaces them for that task.
+    samples: episodes per task and tier (pass@k up to k = samples); sample i uses seed
+      `sampling.seed + i`.
+  """
+  if samples < 1:
+    raise ValueError(f"samples must be >= 1; got {samples}")
+  ids = [t.id for t in tasks]
+  if len(set(ids)) != len(ids):
+    raise ValueError("task ids must be unique within an evaluation")
+  wanted, jobs, keys = set(), [], []
+  for task in tasks:
+    task_tiers = [task.tier] if (task_tier_wins and task.tier) else list(tiers)
+    for tier in task_tiers:
+      for i in range(samples):
+        key = job_key(task.id, tier, i)
+        wanted.add(key)
+        jobs.append((task, tier, Sampling(**{**sampling.__dict__, "seed": sampling.seed + i})))
+        keys.append(key)
+  done = {r["key"] for r in read_results(results) if "key" in r}
+  todo = [i for i, k in enumerate(keys) if k not in done]
+  Path(results).parent.mkdir(parents=True, exist_ok=True)
+  bar = _bar(len(keys), len(keys) - len(todo), progress)
+  _end_torn_line(results)
+  with open(results, "a", encoding="utf-8") as out:
+
+    def on_done(j: int, episode) -> None:
+      record = {
+        "key": keys[todo[j]],
+        "sample": int(keys[todo[j]].rsplit("|", 1)[1]),
+        **episode.summary(),
+        "tier": tier_name(episode.tier),
+      }
+      out.write(json.dumps(record) + "\n")
+      out.flush()
+      if bar is not None:
+        bar.update(1)
+
+    if todo:
+      asyncio.run(
+        run_episodes(
+          [jobs[i] for i in todo], policy, executor, concurrency=concurrency, config=config, on_done=on_done
+        )
+      )
+  if bar is not None:
+    bar.close()
+  latest = {}
+  for r in read_results(results):
+    if r.get("key") in wanted:
+      latest[r["key"]] = r
+  return [latest[k] for k in keys if k in latest]
+
+
+def _end_torn_line(path: str | os.PathLike) -> None:
+  """A crash may leave a last line without its newline; new records must not join it."""
+  path = Path(path)
+  if path.exists() and path.stat().st_size:
+    with open(path, "rb+") as f:
+      f.seek(-1, os.SEEK_END)
+      if f.read(1) != b"\n":
+        f.write(b"\n")
+
+
+def _bar(total: int, initial: int, enabled: bool):
+  if not enabled:
+    return None
+  from tqdm import tqdm
+
+  return tqdm(total=total, initial=initial, desc="episodes", unit="ep", dynamic_ncols=True)

@@ -1,0 +1,132 @@
+"""What `experiments.evaluate` calls: task sources, policies and the whole evaluation run."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rl.agent.executor import make_executor
+from rl.agent.http import make_http_policy
+from rl.agent.loop import LoopConfig
+from rl.agent.policy import EnginePolicy, Sampling
+from rl.envs.base import EnvContext
+from rl.eval import harness, report
+from rl.tasks import generators
+from rl.tasks.schema import DOMAINS, Task
+
+
+def generated_tasks(domains: Sequence[str], split: str, difficulty: int, n: int, seed: int = 0) -> list[Task]:
+  """`n` tasks per domain from the built-in generators (difficulty capped at each domain's top)."""
+  out = []
+  for domain in domains:
+    if domain not in DOMAINS:
+      raise ValueError(f"--domains: unknown domain {domain!r}; domains: {', '.join(DOMAINS)}")
+    level = min(difficulty, generators.max_difficulty(domain))
+    out += generators.generate(domain, split=split, difficulty=level, n=n, seed=seed)
+  return out
+
+
+def engine_policy(config, checkpoint: str | None):
+  """(EnginePolicy, engine) over a checkpoint (or random weights) with config.serving's engine."""
+  from serving.chat import ChatRenderer
+  from serving.engine import build_engine
+
+  engine = build_engine(config, checkpoint).start()
+  vision = engine.cfg.vision
+  renderer = ChatRenderer(engine.tokenizer, vision.num_patches if vision.enabled else 0)
+  return EnginePolicy(engine, renderer, dict(config.serving.thinking_budgets)), engine
+
+
+def run_evaluation(
+  config,
+  *,
+  tasks: Sequence[Task],
+  out_dir: str,
+  tiers: Sequence[str | None],
+  samples: int,
+  concurrency: int,
+  checkpoint: str | None = None,
+  endpoint: str | None = None,
+  api: str = "openai",
+  model: str | None = None,
+  api_key: str | None = None,
+  temperature: float | None = None,
+  progress: bool = True,
+) -> dict[str, Any]:
+  """Evaluates `tasks` with the checkpoint's engine or an endpoint; writes results, table, plot.
+
+  Returns {'rows', 'table', 'json', 'results', 'plot'}.
+  """
+  out = Path(out_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  engine = None
+  budgets = dict(config.serving.thinking_budgets)
+  if endpoint:
+    count = None
+    try:  # thinking-token counts for Anthropic endpoints (their usage has none): our tokenizer
+      from training.tokenizer import default_tokenizer_path, load_tokenizer
+
+      tok = load_tokenizer(config.serving.tokenizer or default_tokenizer_path(config.variant))
+      count = lambda text: len(tok.encode(text, allow_special=False))  # noqa: E731
+    except (ValueError, OSError):
+      pass
+    policy = make_http_policy(
+      api, endpoint, model or config.serving.model_name, api_key, thinking_budgets=budgets, count_tokens=count
+    )
+  else:
+    policy, engine = engine_policy(config, checkpoint)
+  if temperature is None:
+    temperature = 0.0 if samples == 1 else 1.0
+  sampling = Sampling(
+    temperature=temperature,
+    seed=int(config.env.seed),
+    max_tokens_per_turn=int(config.env.max_tokens_per_turn),
+  )
+  ctx = EnvContext.from_config(config.env)
+  executor = make_executor(config.env.executor, ctx, workers=int(config.env.workers))
+  start = time.time()
+  try:
+    records = harness.evaluate(
+      tasks,
+      policy,
+      executor,
+      tiers=tiers,
+      samples=samples,
+      sampling=sampling,
+      concurrency=concurrency,
+      results=out / "results.jsonl",
+      config=LoopConfig.from_config(config.env),
+      progress=progress,
+    )
+  finally:
+    executor.shutdown()
+    if engine is not None:
+      engine.stop()
+  rows = report.aggregate(records)
+  table = report.markdown(rows)
+  (out / "table.md").write_text(table + "\n")
+  report.plot(rows, str(out / "success_vs_thinking.png"))
+  summary = report.summary_json(rows)
+  (out / "summary.json").write_text(summary + "\n")
+  meta = {
+    "policy": f"{api}:{endpoint}" if endpoint else f"checkpoint:{checkpoint or 'random-init'}",
+    "tasks": len(tasks),
+    "tiers": [harness.tier_name(t) for t in tiers],
+    "samples": samples,
+    "temperature": temperature,
+    "sampling": dataclasses.asdict(sampling),
+    "wall_s": round(time.time() - start, 1),
+  }
+  (out / "run.json").write_text(json.dumps(meta, indent=2) + "\n")
+  return {
+    "rows": rows,
+    "table": table,
+    "json": summary,
+    "results": str(out / "results.jsonl"),
+    "plot": str(out / "success_vs_thinking.png"),
+    "meta": meta,
+  }

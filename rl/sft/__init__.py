@@ -1,0 +1,1 @@
+"""Supervised warm start: conversations -> masked token examples -> packed batches."""

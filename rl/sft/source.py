@@ -1,0 +1,150 @@
+"""The SFT batch source: oracle trajectories and chat files, rendered, masked, packed.
+
+It has the interface of the training loop's batch sources (training/batches.py): `start`,
+`batch(step)`, `get_state` / `set_state`, `summary`; `training.loop.run(..., batches=...)`
+runs it with the one training loop (checkpoints, resume, metrics, NaN policy). Rows are
+addressed by (seed, step, row), so resuming needs no iterator state and every process builds
+the same global batch.
+
+Oracle conversations are played through the agent loop with the real environments (so tool
+results are what the tools return), at the tier whose thinking budget holds the oracle's
+thinking (`data.tier_for_thinking`): the model learns to think within the tier it is told.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import jax
+import numpy as np
+
+from rl.agent.executor import ThreadExecutor
+from rl.agent.loop import LoopConfig, run_episodes
+from rl.agent.oracle import OraclePolicy
+from rl.agent.policy import Sampling
+from rl.envs.base import EnvContext
+from rl.sft import data as sft
+from rl.tasks import generators
+from serving.chat import ChatRenderer
+from training import byte_corpus
+
+_log = logging.getLogger(__name__)
+
+
+def oracle_conversations(tasks, ctx: EnvContext, config: LoopConfig, budgets: dict[str, int], tokenizer,
+                         workers: int = 8):
+  """(messages, tools, tier, task) per task, played with its oracle through the environments.
+
+  Only trajectories that succeed are kept (a generator bug must not teach a wrong answer).
+  """
+  tools_of: dict[str, list] = {}
+
+  def tier_of(task) -> str:
+    longest = max((len(tokenizer.encode(t.get("thinking", ""), allow_special=False)) for t in task.oracle),
+                  default=0)
+    return sft.tier_for_thinking(longest, budgets)
+
+  jobs = [(t, tier_of(t), Sampling()) for t in tasks]
+  executor = ThreadExecutor(ctx, workers=workers)
+
+  class _Recorder(OraclePolicy):
+    def session(self, task, first, tools, tier, sampling):
+      tools_of[task.id] = list(tools)
+      return super().session(task, first, tools, tier, sampling)
+
+  try:
+    episodes = asyncio.run(run_episodes(jobs, _Recorder(), executor, concurrency=workers, config=config))
+  finally:
+    executor.shutdown()
+  out, failed = [], 0
+  for (task, tier, _), ep in zip(jobs, episodes, strict=True):
+    if not ep.success:
+      failed += 1
+      continue
+    out.append((ep.messages, tools_of[task.id], tier, task))
+  if failed:
+    _log.warning("SFT: %d of %d oracle trajectories did not succeed and were left out", failed, len(jobs))
+  return out
+
+
+class SFTBatches:
+  """Packed SFT rows from config.sft: generated-task oracles and OpenAI-format chat files."""
+
+  pipeline = "sft"
+
+  def __init__(self, config, mesh: jax.sharding.Mesh, tc, tokenizer, renderer: ChatRenderer,
+               ctx: EnvContext, loop: LoopConfig):
+    self.mesh, self.tc, self.seed = mesh, tc, int(config.sft.seed)
+    s = config.sft
+    examples: list[sft.Example] = []
+    self.counts: dict[str, int] = {}
+    budgets = dict(config.serving.thinking_budgets)
+    for domain in [d for d in s.domains.split(",") if d.strip()]:
+      domain = domain.strip()
+      for level in _levels(s.difficulties, generators.max_difficulty(domain)):
+        tasks = generators.generate(domain, split="train", difficulty=level, n=int(s.tasks_per_level),
+                                    seed=int(s.task_seed))
+        played = oracle_conversations(tasks, ctx, loop, budgets, tokenizer, workers=int(config.env.workers))
+        for messages, tools, tier, task in played:
+          examples.append(sft.render_example(renderer, messages, tools, tier, source=task.id))
+        self.counts[f"{domain}/{level}"] = len(played)
+    for path in [p for p in s.chat_files.split(",") if p.strip()]:
+      n = 0
+      for messages, tools, where in sft.load_chat_jsonl(path.strip()):
+        tier = s.chat_tier or None
+        if tier is None and sft.uses_thinking(messages):
+          tier = "max"
+        examples.append(sft.render_example(renderer, messages, tools, tier, source=where))
+        n += 1
+      self.counts[path.strip()] = n
+    order = np.random.default_rng(self.seed).permutation(len(examples))
+    self.stats = sft.PackStats()
+    self.rows = list(sft.pack((examples[i] for i in order), tc.seq_len, self.stats))
+    if not self.rows:
+      raise ValueError("config.sft gave no training rows: set sft.domains and/or sft.chat_files "
+                       f"(counts: {self.counts}, dropped as longer than seq_len={tc.seq_len}: "
+                       f"{self.stats.dropped_too_long})")
+    if self.stats.dropped_too_long:
+      _log.warning("SFT: %d examples longer than seq_len+1=%d tokens were dropped; raise "
+                   "config.train.seq_len to keep them", self.stats.dropped_too_long, tc.seq_len + 1)
+
+  def start(self) -> None:
+    pass
+
+  def batch(self, step: int) -> dict[str, jax.Array]:
+    tc, rows = self.tc, self.rows
+
+    def make_rows(indices: np.ndarray) -> dict[str, np.ndarray]:
+      picked = [rows[sft.row_index(len(rows), self.seed, step, tc.global_batch, int(j))] for j in indices]
+      return {k: np.stack([r[k] for r in picked]) for k in picked[0]}
+
+    return byte_corpus.global_batch(self.mesh, tc.global_batch, tc.seq_len, make_rows)
+
+  def get_state(self) -> dict[str, Any]:
+    return {"pipeline": "sft", "seed": self.seed, "rows": len(self.rows)}
+
+  def set_state(self, state: Any) -> None:
+    if not (isinstance(state, dict) and state.get("pipeline") == "sft"):
+      raise ValueError("the checkpoint in this workdir is not an SFT run's; use a new --workdir (pass a "
+                       "pretraining checkpoint with --config.checkpoint.init_from instead)")
+    if state["seed"] != self.seed or state["rows"] != len(self.rows):
+      raise ValueError(f"the checkpoint's SFT data had seed {state['seed']} and {state['rows']} rows, this "
+                       f"run {self.seed} and {len(self.rows)}: resume with the same config.sft")
+
+  def summary(self) -> dict[str, Any]:
+    st = self.stats
+    return {"sft_examples": st.examples, "sft_rows": st.rows, "sft_dropped_too_long": st.dropped_too_long,
+            "data_tokens": st.tokens, "sft_target_tokens": st.target_tokens, "sft_sources": self.counts,
+            "prepared_dir": None}
+
+
+def _levels(spec: str, top: int) -> list[int]:
+  """'0' / '0,1' / 'all' -> levels (capped at the domain's top level)."""
+  if str(spec).strip() == "all":
+    return list(range(top + 1))
+  levels = sorted({min(int(x), top) for x in str(spec).split(",") if x.strip()})
+  if not levels:
+    raise ValueError("config.sft.difficulties is empty; e.g. '0' or '0,1' or 'all'")
+  return levels

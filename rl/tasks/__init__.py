@@ -1,0 +1,1 @@
+"""Tasks: the JSONL schema (`schema`), answer conventions (`answers`), generators."""

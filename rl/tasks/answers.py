@@ -1,0 +1,102 @@
+"""Final answers: extraction from the assistant's text, normalisation, comparison.
+
+The conventions every task file relies on (math, web, docqa, cad):
+  * the answer is the content of the LAST `<answer>...</answer>` in the final assistant
+    text (never the thinking), else the whole final text;
+  * surrounding whitespace, quotes and one trailing full stop are dropped, case is ignored;
+  * numbers (thousands separators, `$`, `%` removed; `3/4` = 0.75) compare numerically:
+    math exactly (relative 1e-9; integers compare as integers), docqa within the task's
+    relative tolerance (absolute when the expected answer is 0).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from fractions import Fraction
+
+MATH_REL_TOL = 1e-9
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_QUOTES = "\"'`\u201c\u201d\u2018\u2019"
+_THOUSANDS = re.compile(r"^[+-]?\d{1,3}(,\d{3})+(\.\d+)?$")
+_DECIMAL = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
+_FRACTION = re.compile(r"^([+-]?\d+)\s*/\s*([+-]?\d+)$")
+
+
+def extract_answer(final_text: str) -> str:
+  """The content of the last <answer>...</answer> in `final_text`, else the whole text."""
+  found = _ANSWER.findall(final_text or "")
+  return found[-1] if found else (final_text or "")
+
+
+def normalize(text: str) -> str:
+  """Whitespace, surrounding quotes and a trailing full stop dropped; lower case."""
+  s = str(text).strip()
+  while True:
+    before = s
+    if s.endswith("."):
+      s = s[:-1].rstrip()
+    if len(s) >= 2 and s[0] in _QUOTES and s[-1] in _QUOTES:
+      s = s[1:-1].strip()
+    if s == before:
+      break
+  return s.lower()
+
+
+def parse_number(text: str | int | float) -> float | None:
+  """A number written as '1,234.5', '$12', '45%', '3/4', '-2e3' (after `normalize`); else None."""
+  if isinstance(text, bool):
+    return None
+  if isinstance(text, (int, float)):
+    return float(text) if math.isfinite(text) else None
+  s = normalize(text).replace("$", "").replace("%", "").replace(" ", "")
+  if _THOUSANDS.match(s):
+    s = s.replace(",", "")
+  m = _FRACTION.match(s)
+  if m:
+    num, den = int(m.group(1)), int(m.group(2))
+    return float(Fraction(num, den)) if den != 0 else None
+  if _DECIMAL.match(s):
+    value = float(s)
+    return value if math.isfinite(value) else None
+  return None
+
+
+def _is_integer(text: str | int | float) -> bool:
+  if isinstance(text, bool):
+    return False
+  if isinstance(text, int):
+    return True
+  if isinstance(text, float):
+    return False
+  s = normalize(text).replace("$", "").replace("%", "").replace(" ", "")
+  return bool(re.fullmatch(r"[+-]?\d+", s) or _THOUSANDS.match(s) and "." not in s)
+
+
+def _as_int(text: str | int) -> int:
+  if isinstance(text, int):
+    return text
+  return int(normalize(text).replace("$", "").replace("%", "").replace(" ", "").replace(",", ""))
+
+
+def numbers_close(given: float, expected: float, rel_tol: float) -> bool:
+  """Relative comparison; absolute (|given| <= rel_tol) when the expected value is 0."""
+  if expected == 0:
+    return abs(given) <= rel_tol
+  return abs(given - expected) <= rel_tol * abs(expected)
+
+
+def answers_match(given: str, expected: str | int | float, rel_tol: float = MATH_REL_TOL) -> bool:
+  """True iff the extracted answer `given` equals `expected` under the conventions above.
+
+  When `expected` is a number (or a string that parses as one), the given answer must parse
+  as a number within `rel_tol`; otherwise the normalised strings must be equal.
+  """
+  want = parse_number(expected)
+  if want is not None:
+    got = parse_number(given)
+    if got is not None:
+      if rel_tol <= MATH_REL_TOL and _is_integer(given) and _is_integer(expected):
+        return _as_int(given) == _as_int(expected)  # "exactly": 10**10 + 1 is not 10**10
+      return numbers_close(got, want, rel_tol)
+  return normalize(given) == normalize(str(expected))

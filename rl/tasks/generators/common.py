@@ -1,0 +1,46 @@
+"""What every generator shares: per-task RNGs, split assignment, ids, oracle turns.
+
+Split hygiene: a task's RNG is seeded from (domain, split, difficulty, seed, index), so the
+two splits never share a seed; entities and template instances (a company name, a HumanEval
+problem, a file-chore template with its parameters) are assigned to one split by a hash of
+their key (`split_of`), and a generator draws only entities of its own split.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from typing import Any
+
+HELDOUT_FRACTION = 0.25
+
+
+def _hash(*parts: Any) -> int:
+  return int.from_bytes(hashlib.sha256("|".join(map(str, parts)).encode()).digest()[:8], "little")
+
+
+def task_rng(domain: str, split: str, difficulty: int, seed: int, index: int) -> random.Random:
+  """The RNG of one task; distinct for every (domain, split, difficulty, seed, index)."""
+  return random.Random(_hash("task", domain, split, difficulty, seed, index))
+
+
+def split_of(key: Any, heldout_fraction: float = HELDOUT_FRACTION) -> str:
+  """The split an entity or template instance belongs to, by a hash of its key."""
+  return "heldout" if (_hash("split", key) % 10_000) < heldout_fraction * 10_000 else "train"
+
+
+def task_id(domain: str, split: str, difficulty: int, seed: int, index: int) -> str:
+  return f"{domain}-{split}-d{difficulty}-s{seed}-{index:05d}"
+
+
+def turn(thinking: str = "", content: str = "", calls: list[tuple[str, dict]] = ()) -> dict[str, Any]:
+  """One oracle assistant turn."""
+  return {
+    "thinking": thinking,
+    "content": content,
+    "tool_calls": [{"name": name, "arguments": dict(args)} for name, args in calls],
+  }
+
+
+def meta(domain: str, split: str, difficulty: int, seed: int, **extra: Any) -> dict[str, Any]:
+  return {"generator": domain, "split": split, "difficulty": difficulty, "seed": seed, **extra}

@@ -1,0 +1,319 @@
+"""Math tasks from reasoning-gym's procedural datasets, with worked solutions as oracles.
+
+reasoning-gym (https://github.com/open-thought/reasoning-gym) generates each question from
+`random.Random(seed + index)`. We build every task from its own dataset of size 1 whose seed
+comes from `common.task_rng`, with the split in the seed's lowest bit, so the two splits
+never share a seed; and a question belongs to the split `common.split_of` gives its text
+(a draw from the other split's half is redrawn), so no question text is in both splits even
+where the generation space is small (level 0 has about 16,000 questions).
+
+Levels (datasets and their reasoning-gym configs in `LEVELS`; the mix in `DEFAULT_WEIGHTS`):
+
+  0  one + or - of two numbers of 1-2 digits (chain_sum)
+  1  short chains, one-digit products, small gcd/lcm, legs of a few animals, letter counts
+  2  mixed + - * / expressions, two-digit products, larger gcd/lcm and counting
+  3  longer expressions with parentheses, three-term products, gcd/lcm of three numbers,
+     linear equations
+  4  GSM-style word problems (gsm_symbolic), long expressions, harder equations
+
+The oracle thinks through a solution we compute ourselves (the arithmetic steps, Euclid's
+algorithm, the per-item counts, the equation rearranged; gsm_symbolic's own chain of
+thought) and answers `<answer>X</answer>`; a task is only written when our value agrees
+with reasoning-gym's answer under the grader's exact comparison.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import math
+import operator
+import random
+import re
+from collections.abc import Callable, Mapping
+from fractions import Fraction
+from typing import Any
+
+from rl.tasks.answers import answers_match, parse_number
+from rl.tasks.generators import common
+from rl.tasks.schema import Task, parse_task
+
+DOMAIN = "math"
+MAX_DIFFICULTY = 4
+MAX_TURNS = 1
+_MAX_DRAWS = 200
+# The grader compares numbers at a relative 1e-9 (answers.MATH_REL_TOL), so above 1e9 an
+# off-by-one answer would pass; questions with larger answers are redrawn.
+MAX_ABS_ANSWER = 10**8
+_FLOAT_NOISE = re.compile(r"\d\.\d*(?:0{6}|9{6})\d")
+ANSWER_FORMAT = "Give your final answer inside <answer></answer>."
+
+# reasoning-gym configs per level: {dataset name: config keyword arguments}.
+LEVELS: tuple[Mapping[str, Mapping[str, Any]], ...] = (
+  {"chain_sum": dict(min_terms=2, max_terms=2, min_digits=1, max_digits=2)},
+  {"chain_sum": dict(min_terms=2, max_terms=3, min_digits=1, max_digits=2),
+   "products": dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1),
+   "gcd": dict(min_numbers=2, max_numbers=2, min_value=2, max_value=50),
+   "lcm": dict(min_numbers=2, max_numbers=2, min_value=2, max_value=12),
+   "leg_counting": dict(min_animals=1, max_animals=2, min_instances=1, max_instances=4),
+   "letter_counting": dict(min_words=2, max_words=5)},
+  {"chain_sum": dict(min_terms=3, max_terms=5, min_digits=1, max_digits=3),
+   "basic_arithmetic": dict(min_terms=3, max_terms=3, min_digits=1, max_digits=2, allow_parentheses=False,
+                            allow_negation=False),
+   "products": dict(min_terms=2, max_terms=2, min_digits=1, max_digits=2),
+   "gcd": dict(min_numbers=2, max_numbers=2, min_value=10, max_value=300),
+   "lcm": dict(min_numbers=2, max_numbers=2, min_value=2, max_value=40),
+   "leg_counting": dict(min_animals=2, max_animals=4, min_instances=1, max_instances=8),
+   "letter_counting": dict(min_words=5, max_words=10)},
+  {"basic_arithmetic": dict(min_terms=3, max_terms=5, min_digits=1, max_digits=3),
+   "products": dict(min_terms=2, max_terms=3, min_digits=1, max_digits=3),
+   "gcd": dict(min_numbers=2, max_numbers=3, min_value=10, max_value=1000),
+   "lcm": dict(min_numbers=2, max_numbers=3, min_value=2, max_value=60),
+   "leg_counting": dict(min_animals=3, max_animals=6, min_instances=1, max_instances=12),
+   "simple_equations": dict(min_terms=2, max_terms=3, min_value=1, max_value=20)},
+  {"gsm_symbolic": {},
+   "basic_arithmetic": dict(min_terms=4, max_terms=6, min_digits=2, max_digits=3),
+   "products": dict(min_terms=2, max_terms=3, min_digits=2, max_digits=3),
+   "gcd": dict(min_numbers=3, max_numbers=4, min_value=100, max_value=10000),
+   "lcm": dict(min_numbers=3, max_numbers=4, min_value=2, max_value=100),
+   "leg_counting": dict(min_animals=5, max_animals=10, min_instances=1, max_instances=15),
+   "simple_equations": dict(min_terms=2, max_terms=4, min_value=1, max_value=100)},
+)
+assert len(LEVELS) == MAX_DIFFICULTY + 1
+
+# The mix: relative weight of each dataset wherever a level offers it (a config may pass its
+# own dict to `generate`; a dataset missing from it is not drawn).
+DEFAULT_WEIGHTS: Mapping[str, float] = {
+  "chain_sum": 1.0, "basic_arithmetic": 1.0, "products": 1.0, "gcd": 0.5, "lcm": 0.5,
+  "leg_counting": 0.5, "letter_counting": 0.5, "simple_equations": 1.0, "gsm_symbolic": 3.0,
+}
+
+
+# ---- worked solutions: (thinking text, value) or None for an ill-posed item ----------------
+
+
+_OPS = {ast.Add: ("+", operator.add), ast.Sub: ("-", operator.sub), ast.Mult: ("*", operator.mul),
+        ast.Div: ("/", operator.truediv)}
+
+
+def _fmt(x: Fraction) -> str:
+  return str(x.numerator) if x.denominator == 1 else f"{x.numerator}/{x.denominator}"
+
+
+def _eval(node: ast.AST, steps: list[str]) -> Fraction:
+  """Exact value of an arithmetic AST, appending one line per operation (innermost first)."""
+  if isinstance(node, ast.Constant) and isinstance(node.value, int):
+    return Fraction(node.value)
+  if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+    value = _eval(node.operand, steps)
+    if isinstance(node.op, ast.UAdd):
+      return value
+    if not isinstance(node.operand, ast.Constant):  # a negated group is a step; -7 is a number
+      steps.append(f"-({_fmt(value)}) = {_fmt(-value)}")
+    return -value
+  if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+    left, right = _eval(node.left, steps), _eval(node.right, steps)
+    symbol, fn = _OPS[type(node.op)]
+    if symbol == "/" and right == 0:
+      raise ZeroDivisionError
+    value = fn(left, right)
+    steps.append(f"{_fmt(left)} {symbol} {_fmt(right)} = {_fmt(value)}")
+    return value
+  raise ValueError(f"unsupported expression node {ast.dump(node)}")
+
+
+def _solve_expression(item: dict[str, Any]) -> tuple[str, Fraction] | None:
+  """Steps of an arithmetic expression in the usual order (parentheses, * and /, left to right)."""
+  expression = item["metadata"]["expression"]
+  steps: list[str] = []
+  try:
+    value = _eval(ast.parse(expression.replace("×", "*"), mode="eval").body, steps)
+  except ZeroDivisionError:
+    return None
+  lines = "\n".join(steps) if steps else f"{expression} = {_fmt(value)}"
+  return f"Evaluate {expression} step by step, * and / before + and -, left to right:\n{lines}", value
+
+
+def _euclid(a: int, b: int, lines: list[str]) -> int:
+  while b:
+    lines.append(f"{a} = {a // b} × {b} + {a % b}")
+    a, b = b, a % b
+  return a
+
+
+def _solve_gcd(item: dict[str, Any]) -> tuple[str, Fraction]:
+  numbers = item["metadata"]["numbers"]
+  lines, g = [], numbers[0]
+  for n in numbers[1:]:
+    lines.append(f"gcd({g}, {n}) by Euclid's algorithm:")
+    g = _euclid(max(g, n), min(g, n), lines)
+    lines.append(f"so gcd = {g}")
+  return "\n".join(lines), Fraction(g)
+
+
+def _solve_lcm(item: dict[str, Any]) -> tuple[str, Fraction]:
+  numbers = item["metadata"]["numbers"]
+  lines, acc = [], numbers[0]
+  for n in numbers[1:]:
+    g = math.gcd(acc, n)
+    new = acc * n // g
+    lines.append(f"lcm({acc}, {n}) = {acc} × {n} / gcd({acc}, {n}) = {acc * n} / {g} = {new}")
+    acc = new
+  return "\n".join(lines), Fraction(acc)
+
+
+def _solve_legs(item: dict[str, Any]) -> tuple[str, Fraction]:
+  from reasoning_gym.arithmetic.leg_counting import ANIMALS
+
+  lines, total = [], 0
+  for animal, count in item["metadata"]["animals"].items():
+    legs = ANIMALS[animal]
+    lines.append(f"{count} × {animal} with {legs} legs each = {count * legs}")
+    total += count * legs
+  lines.append(f"Total: {' + '.join(line.rsplit(' = ', 1)[1] for line in lines)} = {total}")
+  return "\n".join(lines), Fraction(total)
+
+
+def _solve_letters(item: dict[str, Any]) -> tuple[str, Fraction]:
+  letter, words = item["metadata"]["target_letter"], item["metadata"]["span"]
+  counts = [(w, w.lower().count(letter)) for w in words]
+  lines = [f'"{w}": {c}' for w, c in counts]
+  total = sum(c for _, c in counts)
+  lines.append(f"Total: {' + '.join(str(c) for _, c in counts)} = {total}")
+  return f'Count "{letter}" word by word (ignoring case):\n' + "\n".join(lines), Fraction(total)
+
+
+def _solve_equation(item: dict[str, Any]) -> tuple[str, Fraction] | None:
+  import sympy
+
+  x = sympy.Symbol(item["metadata"]["variable"])
+  lhs, rhs = (sympy.sympify(side) for side in item["metadata"]["equation"].split("="))
+  poly = sympy.Poly(sympy.expand(lhs - rhs), x)
+  if poly.degree() != 1:
+    return None
+  a, b = (int(c) for c in poly.all_coeffs())  # a·x + b = 0
+  value = Fraction(-b, a)
+  text = (f"{item['metadata']['equation']}\nMove everything to one side: {a}*{x} + ({b}) = 0\n"
+          f"{a}*{x} = {-b}\n{x} = {-b} / {a} = {_fmt(value)}")
+  return text, value
+
+
+def _solve_gsm(item: dict[str, Any]) -> tuple[str, Fraction] | None:
+  cot = item["metadata"].get("answer_cot", "")
+  if _FLOAT_NOISE.search(cot):
+    return None  # a chain of thought with float round-off (26.499999999999996) teaches noise
+  lines = [line for line in cot.splitlines() if not line.startswith("####")]
+  value = parse_number(str(item["answer"]))
+  if not lines or value is None:
+    return None
+  return "\n".join(lines), Fraction(str(value))
+
+
+SOLVERS: Mapping[str, Callable[[dict[str, Any]], tuple[str, Fraction] | None]] = {
+  "chain_sum": _solve_expression, "basic_arithmetic": _solve_expression, "products": _solve_expression,
+  "gcd": _solve_gcd, "lcm": _solve_lcm, "leg_counting": _solve_legs, "letter_counting": _solve_letters,
+  "simple_equations": _solve_equation, "gsm_symbolic": _solve_gsm,
+}
+
+
+# ---- generation ----------------------------------------------------------------------------
+
+
+@functools.cache
+def _reasoning_gym():
+  import reasoning_gym  # imported on first use: it loads every dataset module (~2 s)
+
+  return reasoning_gym
+
+
+def rg_item(name: str, config: Mapping[str, Any], rg_seed: int) -> tuple[Any, dict[str, Any]]:
+  """reasoning-gym's dataset of one item and that item (rebuildable from a task's meta)."""
+  dataset = _reasoning_gym().create_dataset(name, seed=rg_seed, size=1, **config)
+  return dataset, dataset[0]
+
+
+def level_weights(difficulty: int, weights: Mapping[str, float] | None = None) -> dict[str, float]:
+  """The datasets a level draws from with their weights (> 0); errors name what is allowed."""
+  weights = DEFAULT_WEIGHTS if weights is None else weights
+  unknown = set(weights) - set(SOLVERS)
+  if unknown:
+    raise ValueError(f"unknown math dataset(s) {sorted(unknown)} in weights; known: {', '.join(SOLVERS)}")
+  out = {name: float(weights.get(name, 0.0)) for name in LEVELS[difficulty]}
+  out = {name: w for name, w in out.items() if w > 0}
+  if not out:
+    raise ValueError(f"weights give math level {difficulty} nothing to draw: it offers "
+                     f"{', '.join(LEVELS[difficulty])}; give at least one of them a weight > 0")
+  return out
+
+
+def _seed_for(rng: random.Random, split: str) -> int:
+  """A reasoning-gym seed whose lowest bit is the split: train and heldout never share one."""
+  return 2 * rng.randrange(2**31) + (split == "heldout")
+
+
+def _draw(split: str, difficulty: int, seed: int, index: int, mix: dict[str, float]) -> dict[str, Any]:
+  """One well-posed question of `split`, with its solution; redrawn until both hold."""
+  rng = common.task_rng(DOMAIN, split, difficulty, seed, index)
+  names, w = list(mix), list(mix.values())
+  for _ in range(_MAX_DRAWS):
+    name = rng.choices(names, w)[0]
+    rg_seed = _seed_for(rng, split)
+    config = dict(LEVELS[difficulty][name])
+    _, item = rg_item(name, config, rg_seed)
+    if common.split_of((DOMAIN, item["question"])) != split:
+      continue
+    solved = SOLVERS[name](item)
+    if solved is None:
+      continue  # e.g. an expression whose true value is not reasoning-gym's floor division
+    thinking, value = solved
+    if abs(value) > MAX_ABS_ANSWER:
+      continue
+    if not answers_match(_fmt(value), item["answer"]):
+      if name == "basic_arithmetic":
+        continue  # its `/` is floor division; such items read as true division: ill-posed
+      raise RuntimeError(f"{name} (seed {rg_seed}): our worked value {_fmt(value)} disagrees with "
+                         f"reasoning-gym's answer {item['answer']!r} for {item['question']!r}")
+    return {"name": name, "config": config, "rg_seed": rg_seed, "item": item, "thinking": thinking,
+            "answer": str(item["answer"])}
+  raise RuntimeError(f"no {split} question at math level {difficulty} after {_MAX_DRAWS} draws")
+
+
+def generate(*, split: str, difficulty: int, n: int, seed: int = 0,
+             weights: Mapping[str, float] | None = None) -> list[Task]:
+  """`n` math tasks, deterministic in (split, difficulty, seed, weights).
+
+  Args:
+    weights: {reasoning-gym dataset: relative weight}; default `DEFAULT_WEIGHTS`.
+  """
+  mix = level_weights(difficulty, weights)
+  tasks = []
+  for i in range(n):
+    d = _draw(split, difficulty, seed, i, mix)
+    obj = {"id": common.task_id(DOMAIN, split, difficulty, seed, i), "domain": DOMAIN,
+           "prompt": f"{d['item']['question'].rstrip()}\n\n{ANSWER_FORMAT}", "answer": d["answer"],
+           "max_turns": MAX_TURNS,
+           "oracle": [common.turn(thinking=f"{d['thinking']}\nSo the answer is {d['answer']}.",
+                                  content=f"<answer>{d['answer']}</answer>")],
+           "meta": common.meta(DOMAIN, split, difficulty, seed, source=d["name"], rg_seed=d["rg_seed"],
+                               rg_config=d["config"])}
+    tasks.append(parse_task(obj, obj["id"]))
+  return tasks
+
+
+def wrong_answer(answer: str | int | float) -> str:
+  """A different number of the same kind (an off-by-one, the commonest slip)."""
+  value = parse_number(answer)
+  if value is None:
+    return f"not {answer}"
+  try:
+    exact = Fraction(str(answer).strip())
+  except ValueError:
+    exact = Fraction(value)
+  return _fmt(exact + 1)
+
+
+def corrupt_oracle(task: Task) -> list[dict[str, Any]]:
+  """The oracle's reasoning with a wrong final answer, which must score 0."""
+  turns = [dict(t) for t in task.oracle]
+  turns[-1] = {**turns[-1], "content": f"<answer>{wrong_answer(task['answer'])}</answer>"}
+  return turns

@@ -1,0 +1,1 @@
+"""Tools the environments expose: files and shell, search, solids."""

@@ -1,0 +1,163 @@
+"""The terminal/code tools: `shell`, `read_file`, `write_file` over one task directory.
+
+`shell` runs in the sandbox (rl/sandbox) with the task directory as its cwd. The file tools
+run host-side, which is safe only with careful path resolution: a path must be relative,
+must not climb out with '..', and every existing component is resolved through symlinks and
+must stay inside the task directory (a symlink the agent made to /etc is refused, not
+followed). Between tool calls nothing of the agent runs (the sandbox's PID namespace dies with
+each command), so a path checked here cannot change before it is used.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+
+from rl.envs.base import ToolError
+from rl.sandbox import ExecResult, Sandbox
+from serving.types import Tool
+
+MAX_READ_BYTES = 1 << 20  # read_file reads at most this much (the result is clipped later anyway)
+MAX_WRITE_BYTES = 4 << 20
+
+SHELL = Tool(
+  name="shell",
+  description=("Run a bash command in the task directory (the current directory; no network; "
+               "python3 available). Returns the exit code, stdout and stderr."),
+  parameters={"type": "object", "properties": {"command": {"type": "string", "minLength": 1,
+                                                           "description": "the bash command line"}},
+              "required": ["command"], "additionalProperties": False})
+READ_FILE = Tool(
+  name="read_file",
+  description="Read a text file of the task directory.",
+  parameters={"type": "object", "properties": {"path": {
+    "type": "string", "minLength": 1, "description": "path relative to the task directory, e.g. 'src/a.py'"}},
+    "required": ["path"], "additionalProperties": False})
+WRITE_FILE = Tool(
+  name="write_file",
+  description=("Create or overwrite a text file of the task directory with `content` (parent "
+               "directories are created)."),
+  parameters={"type": "object", "properties": {
+    "path": {"type": "string", "minLength": 1, "description": "path relative to the task directory"},
+    "content": {"type": "string", "description": "the complete new content of the file"}},
+    "required": ["path", "content"], "additionalProperties": False})
+FILE_TOOLS = (SHELL, READ_FILE, WRITE_FILE)
+
+
+def resolve(root: Path, path: str) -> Path:
+  """The host path of `path` inside `root`; raises ToolError (saying how to fix it) if it escapes.
+
+  Args:
+    root: the task directory.
+    path: a path as the model wrote it ('a/b.txt', './a/b.txt', '/task/a/b.txt').
+
+  Returns:
+    The absolute host path; it need not exist, but its existing part resolves inside root.
+  """
+  if "\x00" in path:
+    raise ToolError(f"path {path!r} contains a NUL byte; use a plain relative path like 'src/main.py'")
+  if path == "/task" or path.startswith("/task/"):  # the directory as the sandbox names it
+    path = path[len("/task"):].lstrip("/") or "."
+  if path.startswith("/"):
+    raise ToolError(f"absolute path {path!r} is outside the task directory; use a path relative to it, "
+                    f"e.g. {posixpath.basename(path) or 'file.txt'!r}")
+  norm = posixpath.normpath(path)
+  if norm == ".." or norm.startswith("../"):
+    raise ToolError(f"path {path!r} leaves the task directory through '..'; use a path inside it, "
+                    "e.g. 'notes.txt' or 'src/main.py'")
+  root = root.resolve()
+  target = root / norm
+  real = Path(os.path.realpath(target))
+  if real != root and root not in real.parents:
+    raise ToolError(f"path {path!r} goes through a symlink to {str(real)!r}, outside the task directory; "
+                    "read or write the file by a path that stays inside it")
+  return target
+
+
+def read_text(root: Path, path: str) -> str:
+  """read_file: the file's text (UTF-8, bad bytes replaced), with a note if it was cut."""
+  target = resolve(root, path)
+  if not os.path.lexists(target):
+    raise ToolError(f"no file {path!r} in the task directory; list the files with shell('ls -R') first")
+  if target.is_dir():
+    raise ToolError(f"{path!r} is a directory; read a file in it (shell('ls {path}') lists them)")
+  with open(os.path.realpath(target), "rb") as f:
+    data = f.read(MAX_READ_BYTES + 1)
+  text = data[:MAX_READ_BYTES].decode("utf-8", "replace")
+  if len(data) > MAX_READ_BYTES:
+    text += f"\n[file longer than {MAX_READ_BYTES} bytes: cut; use shell with head/tail/sed to read parts]"
+  return text
+
+
+def write_text(root: Path, path: str, content: str) -> str:
+  """write_file: replaces the file at `path` (never through a symlink); returns a short receipt."""
+  data = content.encode("utf-8")
+  if len(data) > MAX_WRITE_BYTES:
+    raise ToolError(f"content is {len(data)} bytes; the limit is {MAX_WRITE_BYTES}; write smaller files")
+  target = resolve(root, path)
+  if target.is_dir() and not target.is_symlink():
+    raise ToolError(f"{path!r} is a directory; give a file path such as '{path.rstrip('/')}/file.txt'")
+  _write_bytes(root, target, data)
+  return f"wrote {len(data)} bytes to {path}"
+
+
+def write_tree(root: Path, files: Mapping[str, str]) -> None:
+  """Writes {relative path: content} into root (task set-up and hidden files at grading).
+
+  Whatever the agent left at a path (a file, a symlink, a directory) is replaced, so hidden
+  test files cannot be redirected by a symlink the agent planted.
+  """
+  for path, content in files.items():
+    target = resolve(root, path)
+    if target.is_dir() and not target.is_symlink():
+      shutil.rmtree(target)
+    _write_bytes(root, target, content.encode("utf-8"))
+
+
+def _write_bytes(root: Path, target: Path, data: bytes) -> None:
+  target.parent.mkdir(parents=True, exist_ok=True)  # resolve() checked every existing component
+  if target.is_symlink():
+    target.unlink()  # replace the link itself, never its target
+  fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+  with os.fdopen(fd, "wb") as f:
+    f.write(data)
+
+
+def format_exec(result: ExecResult, limit_note: int) -> str:
+  """A command's result as the model sees it: exit code, stdout, stderr, and what went wrong."""
+  parts = [f"exit code: {result.exit_code}"]
+  if result.timed_out:
+    parts.append(f"TIMEOUT: {result.killed_reason}; make the command faster or run less at once")
+  elif result.killed_reason:
+    parts.append(f"KILLED: {result.killed_reason}")
+  if result.stdout:
+    parts.append("stdout:\n" + result.stdout.rstrip("\n"))
+  if result.stderr:
+    parts.append("stderr:\n" + result.stderr.rstrip("\n"))
+  if result.truncated:
+    parts.append(f"[output past {limit_note} bytes was dropped; redirect it to a file and read parts]")
+  return "\n".join(parts)
+
+
+class FileTools:
+  """The three tools bound to one task directory and one sandbox."""
+
+  def __init__(self, root: Path, sandbox: Sandbox):
+    self.root, self.sandbox = Path(root), sandbox
+
+  def call(self, name: str, arguments: Mapping[str, str]) -> str:
+    """Runs one validated call; raises ToolError for a bad one."""
+    if name == "shell":
+      result = self.sandbox.run(arguments["command"], self.root)
+      text = format_exec(result, self.sandbox.output_limit_bytes)
+      if result.timed_out:  # an error result: the model must see that nothing finished
+        raise ToolError(text)
+      return text
+    if name == "read_file":
+      return read_text(self.root, arguments["path"])
+    if name == "write_file":
+      return write_text(self.root, arguments["path"], arguments["content"])
+    raise ToolError(f"unknown tool {name!r}; available: shell, read_file, write_file")

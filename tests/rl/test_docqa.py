@@ -1,0 +1,73 @@
+"""The docqa domain: generated annual reports, their arithmetic, the grader's tolerance."""
+
+import json
+import random
+
+import pytest
+
+from rl.envs.base import EnvContext, make_env, replay
+from rl.tasks.generators import docqa
+from rl.tasks.schema import parse_task
+from serving.types import ToolCall
+
+
+def test_report_figures_add_up():
+  report = docqa.build_report(random.Random(3), "train", years=5)
+  s = report["statements"]
+  for y in report["years"]:
+    assert s["Gross profit"][y] == s["Revenue"][y] - s["Cost of revenue"][y]
+    assert s["Operating income"][y] == (s["Gross profit"][y] - s["Research and development"][y]
+                                        - s["Selling, general and administrative"][y])
+    assert s["Net income"][y] == s["Income before taxes"][y] - s["Income tax"][y]
+    assert s["Total assets"][y] == s["Total liabilities"][y] + s["Shareholders' equity"][y]
+    assert s["Total assets"][y] == s["Total current assets"][y] + s["Property, plant and equipment"][y]
+  assert sum(report["segments"].values()) == s["Revenue"][report["years"][-1]]
+  text = docqa.render(report, 3)
+  assert f"| Revenue | {s['Revenue'][report['years'][0]]:,} |" in text and "## Notes" in text
+
+
+def test_generated_tasks_round_trip_and_are_deterministic():
+  for level in range(docqa.MAX_DIFFICULTY + 1):
+    tasks = docqa.generate(split="train", difficulty=level, n=5, seed=1)
+    again = docqa.generate(split="train", difficulty=level, n=5, seed=1)
+    assert [t.to_json() for t in tasks] == [t.to_json() for t in again]
+    for t in tasks:
+      assert parse_task(json.loads(json.dumps(t.to_json()))) == t
+      assert t.first_user_message().startswith(t["document"])
+      assert t["tolerance"] == (0.0 if isinstance(t["answer"], int) else docqa.RATIO_TOLERANCE)
+
+
+def test_splits_share_no_company():
+  companies = {s: {t.meta["company"] for level in range(docqa.MAX_DIFFICULTY + 1)
+                   for t in docqa.generate(split=s, difficulty=level, n=30, seed=0)}
+               for s in ("train", "heldout")}
+  assert companies["train"] and not companies["train"] & companies["heldout"]
+
+
+def test_no_tools_and_tolerance_grading():
+  task = parse_task({"id": "q", "domain": "docqa", "document": "# R\n| Revenue | 100 |", "prompt": "Margin?",
+                     "answer": 12.34, "tolerance": 0.01})
+  env = make_env(task, EnvContext())
+  assert env.reset()[1] == []
+  assert env.grade("<answer>12.3</answer>").reward == 1.0
+  assert env.grade("<answer>12.34%</answer>").reward == 1.0
+  assert env.grade("<answer>12.6</answer>").reward == 0.0
+  assert env.execute(ToolCall(id="c", name="search", arguments="{}")).error
+
+
+def _check_oracles(n):
+  ctx = EnvContext()
+  for level in range(docqa.MAX_DIFFICULTY + 1):
+    for split in ("train", "heldout"):
+      tasks = docqa.generate(split=split, difficulty=level, n=n, seed=0)
+      assert [replay(t, ctx).reward for t in tasks] == [1.0] * n, (level, split)
+      assert [replay(t, ctx, docqa.corrupt_oracle(t)).reward for t in tasks] == [0.0] * n, (level, split)
+
+
+def test_oracle_scores_one_and_corruption_zero():
+  _check_oracles(n=20)
+
+
+@pytest.mark.slow
+def test_oracle_scores_one_and_corruption_zero_at_scale():
+  _check_oracles(n=200)

@@ -1,0 +1,92 @@
+"""The evaluation harness: statistics against closed forms, resume, report."""
+
+from __future__ import annotations
+
+import json
+import math
+from itertools import combinations
+
+import pytest
+
+from rl.agent.executor import ThreadExecutor
+from rl.agent.oracle import OraclePolicy
+from rl.eval import harness, report, stats
+from rl.tasks.schema import parse_task
+
+
+@pytest.mark.parametrize("k, n", [(0, 10), (3, 10), (10, 10), (1, 1), (57, 200)])
+def test_wilson_matches_closed_form(k, n):
+  lo, hi = stats.wilson(k, n)
+  z, p = stats.Z95, k / n
+  # the interval's ends are the roots of (p - x)^2 = z^2 x (1 - x) / n
+  for x in (lo, hi):
+    if 0 < x < 1:
+      assert (p - x) ** 2 == pytest.approx(z * z * x * (1 - x) / n, rel=1e-9, abs=1e-12)
+  assert 0 <= lo <= p <= hi <= 1
+
+
+@pytest.mark.parametrize("n, c, k", [(5, 0, 1), (5, 2, 1), (5, 2, 3), (7, 3, 2), (4, 4, 4), (10, 1, 10)])
+def test_pass_at_k_is_the_subset_average(n, c, k):
+  outcomes = [True] * c + [False] * (n - c)
+  subsets = list(combinations(range(n), k))
+  exact = sum(any(outcomes[i] for i in s) for s in subsets) / len(subsets)
+  assert stats.pass_at_k(n, c, k) == pytest.approx(exact, abs=1e-12)
+
+
+def test_percentile():
+  assert stats.percentile([3, 1, 2], 50) == 2
+  assert stats.percentile([0, 10], 95) == pytest.approx(9.5)
+  assert math.isnan(stats.percentile([], 50))
+
+
+def _tasks(n):
+  out = []
+  for i in range(n):
+    oracle = [{"thinking": f"{i}+1", "content": f"<answer>{i + 1}</answer>"}]
+    out.append(
+      parse_task(
+        {"id": f"m{i}", "domain": "math", "prompt": f"{i}+1?", "answer": str(i + 1), "oracle": oracle}
+      )
+    )
+  return out
+
+
+def test_evaluate_resumes_and_reports(tmp_path):
+  tasks = _tasks(6)
+  wrong = {"m0": [{"content": "<answer>7</answer>"}], "m3": [{"content": "no idea"}]}
+  results = tmp_path / "res.jsonl"
+  executor = ThreadExecutor(workers=2)
+  first = harness.evaluate(
+    tasks[:4], OraclePolicy(wrong), executor, tiers=[None, "low"], samples=2, results=results, progress=False
+  )
+  assert len(first) == 16 and len(results.read_text().splitlines()) == 16
+  with open(results, "a") as f:
+    f.write('{"key": "torn')  # a crash mid-line
+  records = harness.evaluate(
+    tasks, OraclePolicy(wrong), executor, tiers=[None, "low"], samples=2, results=results, progress=False
+  )
+  assert len(records) == 24
+  assert sum(1 for line in results.read_text().splitlines() if line.startswith('{"key": "m')) == 24
+  assert {r["key"] for r in records} == {
+    harness.job_key(t.id, tier, s) for t in tasks for tier in (None, "low") for s in range(2)
+  }
+  rows = {(r["domain"], r["tier"]): r for r in report.aggregate(records)}
+  math_low = rows[("math", "low")]
+  assert math_low["n"] == 12 and math_low["success"] == pytest.approx(4 / 6)
+  assert math_low["pass@2"] == pytest.approx(4 / 6)
+  assert (math_low["ci_low"], math_low["ci_high"]) == pytest.approx(stats.wilson(8, 12))
+  assert rows[("all", "off")]["n"] == 12
+  table = report.markdown(report.aggregate(records))
+  assert "| math | low | 12 | 66.7 (" in table and "pass@2" in table
+  png = tmp_path / "plot.png"
+  report.plot(report.aggregate(records), str(png))
+  assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  last = json.loads(report.summary_json(report.aggregate(records)))
+  assert last["math/low"]["n"] == 12
+  executor.shutdown()
+
+
+def test_parse_tiers():
+  assert harness.parse_tiers("low, max,off") == ["low", "max", None]
+  with pytest.raises(ValueError, match="unknown tier 'medium'"):
+    harness.parse_tiers("medium")

@@ -1,0 +1,136 @@
+"""Math domain: reasoning-gym generators, worked-solution oracles, the exact grader, splits."""
+
+import ast
+import json
+from fractions import Fraction
+
+import pytest
+
+from rl.envs.base import EnvContext, make_env, replay
+from rl.tasks import generators
+from rl.tasks.answers import answers_match, extract_answer
+from rl.tasks.generators import math as gen
+from rl.tasks.schema import load_tasks, parse_task, write_tasks
+from serving.types import ToolCall
+
+LEVELS = range(gen.MAX_DIFFICULTY + 1)
+
+
+@pytest.fixture(scope="module")
+def ctx(tmp_path_factory):
+  return EnvContext(root=tmp_path_factory.mktemp("math_envs"))
+
+
+@pytest.fixture(scope="module")
+def tasks_by_level():
+  """A few tasks of both splits at every level, shared by the cheap tests."""
+  return {(split, d): gen.generate(split=split, difficulty=d, n=6, seed=3)
+          for split in generators.SPLITS for d in LEVELS}
+
+
+def _check_oracles(tasks, ctx):
+  for task in tasks:
+    good = replay(task, ctx)
+    assert good.success and good.reward == 1.0, (task.id, task.prompt, good.details)
+    bad = replay(task, ctx, generators.corrupt_oracle(task))
+    assert not bad.success and bad.reward == 0.0, (task.id, bad.details)
+
+
+def test_oracle_replay_scores_one_and_corruption_zero(tasks_by_level, ctx):
+  for tasks in tasks_by_level.values():
+    _check_oracles(tasks, ctx)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("difficulty", LEVELS)
+def test_oracle_replay_200_per_level(difficulty, ctx):
+  for split in generators.SPLITS:
+    _check_oracles(gen.generate(split=split, difficulty=difficulty, n=200, seed=0), ctx)
+
+
+def test_reasoning_gym_scores_our_oracle_answer(tasks_by_level):
+  """The item rebuilt from the task's meta is the question; reasoning-gym accepts our answer."""
+  for tasks in tasks_by_level.values():
+    for task in tasks:
+      meta = task.meta
+      dataset, item = gen.rg_item(meta["source"], meta["rg_config"], meta["rg_seed"])
+      assert task.prompt.startswith(item["question"].rstrip())
+      ours = extract_answer(task.oracle[-1]["content"])
+      assert dataset.score_answer(ours, item) == 1.0, (task.id, ours, item["answer"])
+      assert answers_match(item["answer"], task["answer"])
+
+
+def test_schema_round_trip(tasks_by_level, tmp_path):
+  tasks = [t for ts in tasks_by_level.values() for t in ts]
+  for task in tasks:
+    assert parse_task(json.loads(json.dumps(task.to_json()))) == task
+    assert isinstance(task["answer"], str) and task.domain == "math"
+    assert task.oracle[-1]["content"] == f"<answer>{task['answer']}</answer>"
+  path = tmp_path / "math.jsonl"
+  assert write_tasks(tasks, path) == len(tasks)
+  assert load_tasks(path) == tasks
+
+
+def test_deterministic_and_seed_dependent():
+  a = [t.to_json() for t in gen.generate(split="train", difficulty=2, n=10, seed=5)]
+  b = [t.to_json() for t in gen.generate(split="train", difficulty=2, n=10, seed=5)]
+  c = [t.to_json() for t in gen.generate(split="train", difficulty=2, n=10, seed=6)]
+  assert a == b
+  assert [t["prompt"] for t in a] != [t["prompt"] for t in c]
+
+
+@pytest.mark.parametrize("difficulty", [0, 1, 3])
+def test_splits_share_no_seed_or_question(difficulty):
+  """Level 0 has only a few thousand questions: without the split filter they would collide."""
+  train = gen.generate(split="train", difficulty=difficulty, n=300, seed=0)
+  heldout = gen.generate(split="heldout", difficulty=difficulty, n=300, seed=0)
+  questions = lambda ts: {t.prompt for t in ts}
+  seeds = lambda ts: {t.meta["rg_seed"] for t in ts}
+  assert not questions(train) & questions(heldout)
+  assert not seeds(train) & seeds(heldout)
+  assert {s % 2 for s in seeds(train)} == {0} and {s % 2 for s in seeds(heldout)} == {1}
+
+
+def test_level_zero_is_small_addition_subtraction(tasks_by_level):
+  for split in generators.SPLITS:
+    for task in tasks_by_level[(split, 0)]:
+      assert task.meta["source"] == "chain_sum"
+      expression = task.prompt.split(":", 1)[1].split("=")[0]
+      numbers = [int(n) for n in expression.replace("+", " ").replace("-", " ").split()]
+      assert len(numbers) == 2 and all(0 <= n < 100 for n in numbers)
+
+
+def test_weights_choose_the_mix_and_errors_name_the_fix():
+  tasks = gen.generate(split="train", difficulty=2, n=8, seed=0, weights={"gcd": 1.0})
+  assert {t.meta["source"] for t in tasks} == {"gcd"}
+  with pytest.raises(ValueError, match="offers chain_sum"):
+    gen.generate(split="train", difficulty=0, n=1, seed=0, weights={"gcd": 1.0})
+  with pytest.raises(ValueError, match="unknown math dataset"):
+    gen.level_weights(1, {"gdc": 1.0})
+  assert set(gen.level_weights(4)) == set(gen.LEVELS[4])
+
+
+def test_expression_steps_follow_precedence():
+  steps = []
+  value = gen._eval(ast.parse("-( 3 - 5 ) * 2 + 12 / 4", mode="eval").body, steps)
+  assert value == Fraction(7)
+  assert steps == ["3 - 5 = -2", "-(-2) = 2", "2 * 2 = 4", "12 / 4 = 3", "4 + 3 = 7"]
+
+
+def test_wrong_answer_differs():
+  for answer in ["0", "-24", "7", "3/4", "12.5"]:
+    assert not answers_match(gen.wrong_answer(answer), answer)
+
+
+def test_grader_known_good_and_bad(tasks_by_level, ctx):
+  task = tasks_by_level[("train", 1)][0].with_(fields={"answer": "1062"})
+  env = make_env(task, ctx)
+  assert env.reset() == (task.prompt, [])
+  cases = {"<answer>1062</answer>": 1.0, "<answer>1,062</answer>": 1.0, "1062": 1.0,
+           "<answer>1061</answer> wait <answer>1062</answer>": 1.0,
+           "<answer>1062</answer> no: <answer>1063</answer>": 0.0, "<answer>1062.5</answer>": 0.0,
+           "": 0.0, "<answer>about a thousand</answer>": 0.0}
+  for text, want in cases.items():
+    assert env.grade(text).reward == want, text
+  result = env.execute(ToolCall(id="c0", name="python", arguments="{}"))
+  assert result.error and "available tools: none" in result.content

@@ -1,0 +1,168 @@
+"""The nsjail sandbox: each hostile command is contained, the host is unaffected, and the
+sandbox still runs the next command."""
+
+import os
+import resource
+import socket
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from rl.sandbox import Sandbox, SandboxUnavailable
+from rl.sandbox.sandbox import SANDBOX_UID
+
+CAP = 64 * 1024
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+  try:
+    return Sandbox(memory_mb=128, max_pids=32, output_limit_bytes=CAP, timeout_s=5.0)
+  except SandboxUnavailable as e:
+    pytest.skip(f"nsjail cannot run here: {e}")
+
+
+@pytest.fixture
+def task_dir(tmp_path):
+  d = tmp_path / "task"
+  d.mkdir()
+  return d
+
+
+def _still_works(sandbox, task_dir):
+  result = sandbox.run("echo alive > alive.txt && cat alive.txt", task_dir)
+  assert (result.exit_code, result.stdout) == (0, "alive\n")
+  assert (task_dir / "alive.txt").read_text() == "alive\n"
+
+
+def _jailed_processes() -> int:
+  """Processes of the sandbox uid on the host (must be 0 after any command returns)."""
+  count = 0
+  for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      if os.stat(f"/proc/{pid}").st_uid == SANDBOX_UID:
+        count += 1
+    except FileNotFoundError:
+      pass
+  return count
+
+
+def test_output_exit_code_and_cwd(sandbox, task_dir):
+  (task_dir / "in.txt").write_text("hello\n")
+  result = sandbox.run("pwd; cat in.txt; echo oops >&2; exit 3", task_dir)
+  assert result.exit_code == 3
+  assert result.stdout == "/task\nhello\n" and result.stderr == "oops\n"
+  assert not (result.timed_out or result.truncated or result.killed_reason)
+  version = sandbox.run("/usr/bin/python3 -c 'import sys; print(sys.version_info[:2])'", task_dir)
+  assert version.stdout.strip() == "(3, 11)", version
+  _still_works(sandbox, task_dir)
+
+
+def test_network_is_unreachable(sandbox, task_dir):
+  server = socket.socket()
+  server.bind(("127.0.0.1", 0))
+  server.listen(4)
+  server.settimeout(0.2)
+  port = server.getsockname()[1]
+  accepted = []
+
+  def serve():
+    deadline = time.monotonic() + 8
+    while time.monotonic() < deadline:
+      try:
+        accepted.append(server.accept()[0])
+      except OSError:
+        pass
+
+  thread = threading.Thread(target=serve, daemon=True)
+  thread.start()
+  probe = (f"python3 -c \"import socket; s = socket.socket(); s.settimeout(2); "
+           f"s.connect(('127.0.0.1', {port})); print('CONNECTED')\"")
+  result = sandbox.run(probe, task_dir)
+  assert result.exit_code != 0 and "CONNECTED" not in result.stdout
+  assert "ConnectionRefusedError" in result.stderr or "timed out" in result.stderr, result.stderr
+  with socket.create_connection(("127.0.0.1", port), timeout=2):  # the host itself can connect
+    pass
+  thread.join()
+  server.close()
+  assert len(accepted) == 1  # only the host's own connection
+  _still_works(sandbox, task_dir)
+
+
+def test_writes_outside_the_task_dir_fail(sandbox, task_dir):
+  name = f"horizon_sandbox_test_{uuid.uuid4().hex}"
+  targets = [f"/work/{name}", f"/etc/{name}", f"/root/{name}", f"/usr/{name}", f"/{name}"]
+  result = sandbox.run("; ".join(f"echo x > {t} && echo WROTE {t}" for t in targets)
+                       + "; ls /work /root 2>&1; touch /tmp/ok && echo TMP_OK", task_dir)
+  assert "WROTE" not in result.stdout, result.stdout
+  assert "TMP_OK" in result.stdout  # the private /tmp is writable
+  for target in targets:
+    assert not os.path.exists(target)
+  _still_works(sandbox, task_dir)
+
+
+def test_fork_bomb_is_contained(sandbox, task_dir):
+  start = time.monotonic()
+  result = sandbox.run(":(){ :|:& };:", task_dir, timeout_s=4)
+  assert time.monotonic() - start < 10
+  assert result.wall_s < 10
+  time.sleep(0.2)
+  assert _jailed_processes() == 0  # nothing escaped into the host's process table
+  _still_works(sandbox, task_dir)
+
+
+def test_memory_hog_is_killed_at_the_limit(sandbox, task_dir):
+  hog = "python3 -c 'chunks = []\nwhile True: chunks.append(bytearray(16 * 2**20))'"
+  result = sandbox.run(hog, task_dir, timeout_s=20)
+  assert result.exit_code != 0 and not result.timed_out
+  assert result.wall_s < 20
+  if sandbox.limits.mode.startswith("cgroup"):
+    assert result.exit_code == 137 and "memory" in result.killed_reason
+  else:  # RLIMIT_AS: the allocation fails inside python
+    assert "MemoryError" in result.stderr
+  _still_works(sandbox, task_dir)
+
+
+def test_infinite_loop_is_killed_at_the_time_limit(sandbox, task_dir):
+  result = sandbox.run("while :; do :; done", task_dir, timeout_s=1.5)
+  assert result.timed_out and "time limit" in result.killed_reason
+  assert 1.4 <= result.wall_s < 4
+  _still_works(sandbox, task_dir)
+
+
+def test_huge_output_is_truncated_without_buffering(sandbox, task_dir):
+  before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+  result = sandbox.run("head -c 100000000 /dev/zero | tr '\\0' y; echo tail-marker", task_dir, timeout_s=30)
+  grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+  assert result.exit_code == 0 and result.truncated
+  assert len(result.stdout.encode()) + len(result.stderr.encode()) <= CAP
+  assert result.stdout.startswith("yyyy") and "tail-marker" not in result.stdout
+  assert grown_mb < 50, f"the host kept {grown_mb:.0f} MB of output"
+  _still_works(sandbox, task_dir)
+
+
+def test_task_dir_under_a_private_parent(sandbox, tmp_path):
+  parent = tmp_path / "private"
+  parent.mkdir(mode=0o700)
+  task_dir = parent / "task"
+  task_dir.mkdir()
+  result = sandbox.run("echo made > made.txt", task_dir)
+  assert result.exit_code == 0, result
+  assert (task_dir / "made.txt").read_text() == "made\n"
+
+
+def test_missing_nsjail_is_reported_and_unsafe_is_loud(tmp_path):
+  with pytest.raises(SandboxUnavailable, match="missing or not executable"):
+    Sandbox(nsjail="/nonexistent/nsjail")
+  with pytest.warns(RuntimeWarning, match="SANDBOX DISABLED"):
+    unsafe = Sandbox(nsjail="/nonexistent/nsjail", allow_unsafe=True, output_limit_bytes=100)
+  assert unsafe.mode == "unsafe"
+  result = unsafe.run("echo hi; exit 4", Path(tmp_path))
+  assert (result.exit_code, result.stdout) == (4, "hi\n")
+  big = unsafe.run("head -c 100000 /dev/zero | tr '\\0' y", Path(tmp_path))
+  assert big.truncated and len(big.stdout) == 100
+  slow = unsafe.run("sleep 5", Path(tmp_path), timeout_s=0.5)
+  assert slow.timed_out and slow.wall_s < 3

@@ -1,0 +1,156 @@
+"""SFT data: assistant-only masks, OpenAI chat JSONL, packing that no segment crosses."""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rl.sft import data as sft
+from serving.chat import ChatRenderer
+from serving.types import Message, TextPart, Tool, ToolCall
+from training.tokenizer import default_tokenizer_path, load_tokenizer
+
+TOOL = Tool(
+  "shell",
+  "Run a command.",
+  {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]},
+)
+
+
+@pytest.fixture(scope="module")
+def renderer():
+  return ChatRenderer(load_tokenizer(default_tokenizer_path("tiny")), num_image_tokens=0)
+
+
+def _conversation():
+  call = ToolCall("call_0", "shell", json.dumps({"command": "ls"}))
+  return [
+    Message("system", [TextPart("sys")]),
+    Message("user", [TextPart("list files")]),
+    Message("assistant", [TextPart("")], thinking="use ls", tool_calls=[call]),
+    Message("tool", [TextPart("a.txt")], tool_call_id="call_0", name="shell"),
+    Message("assistant", [TextPart("<answer>a.txt</answer>")], thinking="done"),
+  ]
+
+
+def test_mask_covers_exactly_the_assistant_turns(renderer):
+  tok = renderer.tokenizer
+  msgs = _conversation()
+  ex = sft.render_example(renderer, msgs, [TOOL], tier="low")
+  sp = {n: tok.special_id(n) for n in ("assistant", "think", "/think", "end_of_turn", "tool_call", "tool")}
+  ids, mask = ex.ids.tolist(), ex.mask.tolist()
+  assert (
+    ids == renderer.render(msgs, tools=[TOOL], effort="low", thinking=True, add_generation_prompt=False).ids
+  )
+  trained = tok.decode([t for t, m in zip(ids, mask, strict=True) if m and t not in tok.special_ids])
+  assert "use ls" in trained and "a.txt</answer>" in trained and '"command": "ls"' in trained
+  assert "list files" not in trained and "sys" not in trained
+  # the generation prompt (<|assistant|><|think|>) is not trained; what follows it is, up to <|end_of_turn|>
+  for i, t in enumerate(ids):
+    if t == sp["assistant"]:
+      assert mask[i] == 0 and mask[i + 1] == 0 and mask[i + 2] == 1
+  ends = [i for i, t in enumerate(ids) if t == sp["end_of_turn"]]
+  assert [mask[i] for i in ends] == [0, 0, 1, 0, 1]  # system, user, assistant, tool, assistant
+  tool_start = ids.index(sp["tool"])
+  assert mask[tool_start] == 0 and sum(mask[tool_start : ends[3] + 1]) == 0
+
+
+def test_chat_jsonl_round_trip_and_errors(tmp_path, renderer):
+  good = {
+    "messages": [
+      {"role": "user", "content": "hi"},
+      {
+        "role": "assistant",
+        "content": "",
+        "reasoning_content": "think",
+        "tool_calls": [
+          {"id": "c1", "type": "function", "function": {"name": "shell", "arguments": '{"command": "ls"}'}}
+        ],
+      },
+      {"role": "tool", "tool_call_id": "c1", "content": "x"},
+      {"role": "assistant", "content": [{"type": "text", "text": "ok"}]},
+    ],
+    "tools": [{"type": "function", "function": {"name": "shell", "parameters": TOOL.parameters}}],
+  }
+  path = tmp_path / "chat.jsonl"
+  bad_args = json.loads(json.dumps(good))
+  bad_args["messages"][1]["tool_calls"][0]["function"]["arguments"] = "[1]"
+  path.write_text(
+    "\n".join(json.dumps(o) for o in (good, {"messages": [{"role": "user", "content": "q"}]}, bad_args))
+    + "\n"
+  )
+  it = sft.load_chat_jsonl(path)
+  messages, tools, where = next(it)
+  assert where.endswith(":1") and tools[0].name == "shell" and messages[1].thinking == "think"
+  ex = sft.render_example(renderer, messages, tools, tier="high")
+  assert ex.mask.sum() > 0
+  with pytest.raises(sft.ChatDataError, match=r"chat.jsonl:2: field 'messages': has no assistant"):
+    next(it)
+  with pytest.raises(sft.ChatDataError, match=r"chat.jsonl:3: field 'messages\[1\].tool_calls\[0\]"):
+    list(sft.load_chat_jsonl(tmp_path / "x.jsonl")) if False else sft.parse_chat(bad_args, f"{path}:3")
+
+
+def test_tier_for_thinking():
+  budgets = {"low": 8, "high": 32, "max": 96}
+  assert sft.tier_for_thinking(0, budgets) == "low"
+  assert sft.tier_for_thinking(9, budgets) == "high"
+  assert sft.tier_for_thinking(500, budgets) == "max"
+
+
+def _examples(rng, lengths):
+  return [
+    sft.Example(rng.integers(3, 300, n).astype(np.int32), (rng.random(n) < 0.6).astype(np.int32))
+    for n in lengths
+  ]
+
+
+def test_pack_layout():
+  rng = np.random.default_rng(0)
+  exs = _examples(rng, [5, 7, 30, 6])
+  stats = sft.PackStats()
+  rows = list(sft.pack(exs, seq_len=15, stats=stats))
+  assert stats.dropped_too_long == 1 and stats.examples == 4 and stats.rows == 2
+  r = rows[0]
+  assert r["segment_ids"].tolist() == [1] * 5 + [2] * 7 + [0] * 3
+  assert r["positions"].tolist()[:12] == list(range(5)) + list(range(7))
+  np.testing.assert_array_equal(r["targets"][:4], exs[0].ids[1:])
+  # no target crosses a segment boundary or lands in padding; masks follow the target token
+  assert r["loss_mask"][4] == 0 and r["loss_mask"][11:].sum() == 0
+  np.testing.assert_array_equal(r["loss_mask"][:4], exs[0].mask[1:])
+  b0 = sft.batches(rows, 3, seed=1, step=0)
+  assert b0["inputs"].shape == (3, 15)
+  np.testing.assert_array_equal(
+    sft.batches(rows, 3, seed=1, step=5)["inputs"], sft.batches(rows, 3, seed=1, step=5)["inputs"]
+  )
+
+
+def test_packed_segments_do_not_see_each_other(tiny_cfg):
+  """Logits of a conversation are the same packed beside others as alone: attention (DSA)
+  and the delta rule's state and causal conv all stop at segment boundaries."""
+  from model.decoder import build_model
+
+  model = build_model(tiny_cfg, seed=0)
+  rng = np.random.default_rng(7)
+  exs = _examples(rng, [37, 23, 41])
+  (row,) = list(sft.pack(exs, seq_len=128))
+  packed, _ = model(
+    jnp.asarray(row["inputs"])[None],
+    jnp.asarray(row["positions"])[None],
+    jnp.asarray(row["segment_ids"])[None],
+  )
+  start, width = 0, row["inputs"].shape[0]
+  for ex in exs:
+    n = len(ex.ids)  # alone: at the start of a row of the same width (one compiled shape), causal
+    ids = np.zeros(width, np.int32)
+    ids[:n] = ex.ids
+    seg = (np.arange(width) < n).astype(np.int32)
+    alone, _ = model(
+      jnp.asarray(ids)[None], jnp.asarray(np.arange(width) * seg)[None], jnp.asarray(seg)[None]
+    )
+    np.testing.assert_allclose(
+      np.asarray(packed[0, start : start + n]), np.asarray(alone[0, :n]), rtol=2e-5, atol=2e-5
+    )
+    start += n

@@ -1,0 +1,103 @@
+"""Terminal tasks: generation contract, oracle/near-miss grading, and tool error handling."""
+
+import json
+
+import pytest
+
+from rl.envs.base import EnvContext, make_env, replay
+from rl.sandbox import Sandbox, SandboxUnavailable
+from rl.tasks.generators import corrupt_oracle, generate
+from rl.tasks.generators import terminal as gen
+from rl.tasks.schema import parse_task
+from serving.types import ToolCall
+
+LEVELS = range(gen.MAX_DIFFICULTY + 1)
+
+
+@pytest.fixture(scope="module")
+def ctx(tmp_path_factory):
+  try:
+    Sandbox()
+  except SandboxUnavailable as e:
+    pytest.skip(f"nsjail cannot run here: {e}")
+  return EnvContext(root=tmp_path_factory.mktemp("terminal"), command_timeout_s=10.0)
+
+
+def _scores(tasks, ctx):
+  oracle = [replay(t, ctx).reward for t in tasks]
+  corrupt = [replay(t, ctx, corrupt_oracle(t)).reward for t in tasks]
+  return oracle, corrupt
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_schema_round_trip_and_determinism(level):
+  tasks = generate("terminal", split="train", difficulty=level, n=20, seed=3)
+  for task in tasks:
+    assert parse_task(json.loads(json.dumps(task.to_json()))) == task
+  again = generate("terminal", split="train", difficulty=level, n=20, seed=3)
+  assert [t.to_json() for t in again] == [t.to_json() for t in tasks]
+  other = generate("terminal", split="train", difficulty=level, n=20, seed=4)
+  assert [t.to_json() for t in other] != [t.to_json() for t in tasks]
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_splits_share_no_instance(level):
+  def instances(split):
+    return {json.dumps([t.meta["template"], t["files"], t["check"]], sort_keys=True)
+            for t in generate("terminal", split=split, difficulty=level, n=150, seed=0)}
+  assert not instances("train") & instances("heldout")
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_oracle_scores_1_and_near_miss_0(level, ctx):
+  tasks = [*generate("terminal", split="train", difficulty=level, n=2, seed=0),
+           *generate("terminal", split="heldout", difficulty=level, n=1, seed=0)]
+  oracle, corrupt = _scores(tasks, ctx)
+  assert oracle == [1.0] * len(tasks)
+  assert corrupt == [0.0] * len(tasks)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("level", LEVELS)
+def test_oracle_and_near_miss_200_per_level(level, ctx):
+  tasks = [*generate("terminal", split="train", difficulty=level, n=100, seed=11),
+           *generate("terminal", split="heldout", difficulty=level, n=100, seed=11)]
+  oracle, corrupt = _scores(tasks, ctx)
+  print(f"terminal level {level}: oracle {sum(oracle):.0f}/{len(tasks)}, near miss 0 on "
+        f"{corrupt.count(0.0)}/{len(tasks)}")
+  assert oracle == [1.0] * len(tasks)
+  assert corrupt == [0.0] * len(tasks)
+
+
+def test_tool_errors_come_back_as_results(ctx):
+  fast = EnvContext(root=ctx.root, command_timeout_s=1.0)
+  task = generate("terminal", split="train", difficulty=1, n=1, seed=0)[0]
+  env = make_env(task, fast)
+  try:
+    env.reset()
+
+    def call(name, arguments):
+      raw = arguments if isinstance(arguments, str) else json.dumps(arguments)
+      return env.execute(ToolCall(id="c", name=name, arguments=raw))
+
+    assert call("browse", {}).error
+    assert "not valid JSON" in call("shell", "{not json").content
+    assert call("shell", {"cmd": "ls"}).error  # schema violation
+    for bad in ("/etc/passwd", "../outside.txt", "a/../../x"):
+      result = call("read_file", {"path": bad})
+      assert result.error and "task directory" in result.content, result
+    assert not call("shell", {"command": "ln -s /etc escape && ln -s / root_link"}).error
+    for bad in ("escape/passwd", "root_link/etc/hostname"):
+      assert call("read_file", {"path": bad}).error
+      assert call("write_file", {"path": bad, "content": "x"}).error
+    slow = call("shell", {"command": "sleep 5"})
+    assert slow.error and "TIMEOUT" in slow.content
+    failing = call("shell", {"command": "echo out; exit 2"})  # a failing command is not a tool error
+    assert not failing.error and "exit code: 2" in failing.content
+    assert not call("write_file", {"path": "sub/dir/new.txt", "content": "hi\n"}).error
+    assert call("read_file", {"path": "sub/dir/new.txt"}).content == "hi\n"
+    assert "hi" in call("shell", {"command": "cat sub/dir/new.txt"}).content
+    assert call("read_file", {"path": "sub"}).error
+    assert call("read_file", {"path": "missing.txt"}).error
+  finally:
+    env.close()
