@@ -166,9 +166,11 @@ def _agent(m: ml_collections.ConfigDict) -> None:
   m.v_head_dim = 32
   m.index_heads = 2
   m.index_head_dim = 16
-  m.index_topk = 128
+  # Agent prompts (tool schemas + the request) run to ~500 tokens: top-512 keeps every key
+  # of a short episode, so an untrained indexer cannot hide the prompt from the model.
+  m.index_topk = 512
   m.dsa_query_block = 64
-  m.dsa_key_block = 128
+  m.dsa_key_block = 512
   m.delta_qk_heads = 2
   m.delta_v_heads = 4
   m.delta_qk_dim = 32

@@ -43,7 +43,7 @@ def _sft() -> ml_collections.ConfigDict:
   s = ml_collections.ConfigDict()
   s.domains = "math,terminal"  # generated tasks whose oracles are trained on; "" = none
   s.difficulties = "0"  # levels per domain: "0", "0,1", or "all"
-  s.tasks_per_level = 400  # train-split tasks per domain and level
+  s.tasks_per_level = 1500  # train-split tasks per domain and level
   s.task_seed = 0
   s.chat_files = ""  # comma-separated OpenAI-format chat JSONL files
   s.chat_tier = ""  # tier stated for chat files; "" = "max" when they think, else thinking off

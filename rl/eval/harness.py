@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from rl.agent.episode import message_to_json
 from rl.agent.executor import Executor
 from rl.agent.loop import DEFAULT_LOOP, LoopConfig, run_episodes
 from rl.agent.policy import Policy, Sampling
@@ -75,6 +76,7 @@ def evaluate(
   config: LoopConfig = DEFAULT_LOOP,
   progress: bool = True,
   task_tier_wins: bool = False,
+  transcripts: bool = True,
 ) -> list[dict[str, Any]]:
   """Plays what `results` lacks and returns every record for these tasks, tiers and samples.
 
@@ -83,6 +85,8 @@ def evaluate(
       `tier` field replaces them for that task.
     samples: episodes per task and tier (pass@k up to k = samples); sample i uses seed
       `sampling.seed + i`.
+    transcripts: keep each episode's messages in its record (what an evaluator reads first
+      when a number surprises them).
   """
   if samples < 1:
     raise ValueError(f"samples must be >= 1; got {samples}")
@@ -112,6 +116,8 @@ def evaluate(
         **episode.summary(),
         "tier": tier_name(episode.tier),
       }
+      if transcripts:
+        record["messages"] = [message_to_json(m) for m in episode.messages]
       out.write(json.dumps(record) + "\n")
       out.flush()
       if bar is not None:

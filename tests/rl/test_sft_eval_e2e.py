@@ -42,10 +42,13 @@ def _records(out_dir: Path) -> dict[str, dict]:
 
 def test_sft_checkpoint_evaluates_the_same_in_process_and_over_both_apis(tmp_path):
   work = tmp_path / "sft"
-  summary = json.loads(_run(["experiments.sft", "--config=configs/sft.py:tiny", f"--workdir={work}"])
-                       .strip().splitlines()[-1])
-  assert summary["latest_checkpoint"] == 20 and summary["sft_rows"] > 0
-  assert summary["losses"][-1] < summary["losses"][0]
+  sft = ["experiments.sft", "--config=configs/sft.py:tiny", f"--workdir={work}"]
+  first = json.loads(_run([*sft, "--config.train.steps=10"]).strip().splitlines()[-1])
+  assert first["latest_checkpoint"] == 10 and first["start_step"] == 0
+  summary = json.loads(_run(sft).strip().splitlines()[-1])  # resumes at step 10
+  assert summary["start_step"] == 10 and summary["latest_checkpoint"] == 20 and summary["sft_rows"] > 0
+  assert len(summary["losses"]) == 10
+  assert summary["losses"][-1] < first["losses"][0]
   tasks = tmp_path / "tasks.jsonl"
   _run(["experiments.make_tasks", "--domain=math", "--split=heldout", "--n=6", f"--out={tasks}"])
   common = ["experiments.evaluate", "--config=configs/sft.py:tiny", f"--tasks={tasks}", "--tiers=low,off"]

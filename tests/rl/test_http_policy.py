@@ -1,0 +1,77 @@
+"""HTTP policies against the real server: the same greedy episodes as the in-process engine.
+
+The session's server (tests/conftest.py) serves the session's engine, so a greedy episode
+played through the OpenAI or the Anthropic API must equal the one played on the engine
+directly (thinking on and off).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from rl.agent.executor import ThreadExecutor
+from rl.agent.http import AnthropicPolicy, EndpointError, OpenAIPolicy, openai_messages
+from rl.agent.loop import run_episodes
+from rl.agent.policy import EnginePolicy, Sampling
+from rl.tasks.schema import parse_task
+from serving.chat import ChatRenderer
+from serving.types import Message, TextPart, ToolCall
+
+GREEDY = Sampling(temperature=0.0, max_tokens_per_turn=24)
+
+
+def _tasks():
+  return [parse_task({"id": f"m{i}", "domain": "math", "prompt": f"{i} + {i} =", "answer": str(2 * i)})
+          for i in range(3)]
+
+
+@pytest.fixture(scope="module")
+def engine_policy(engine, serve_config):
+  return EnginePolicy(engine, ChatRenderer(engine.tokenizer, 0), dict(serve_config.serving.thinking_budgets))
+
+
+def _play(policy, tasks, tiers):
+  jobs = [(t, tier, GREEDY) for t in tasks for tier in tiers]
+  executor = ThreadExecutor(workers=2)
+  try:
+    return asyncio.run(run_episodes(jobs, policy, executor, concurrency=4))
+  finally:
+    executor.shutdown()
+
+
+@pytest.mark.parametrize("cls", [OpenAIPolicy, AnthropicPolicy])
+def test_http_policy_equals_engine_policy(cls, engine_policy, server_url, serve_config):
+  tasks, tiers = _tasks(), [None, "low"]
+  want = _play(engine_policy, tasks, tiers)
+  policy = cls(server_url, serve_config.serving.model_name, "test-key",
+               thinking_budgets=dict(serve_config.serving.thinking_budgets))
+  got = _play(policy, tasks, tiers)
+  for a, b in zip(want, got, strict=True):
+    assert b.error is None and a.task_id == b.task_id and a.tier == b.tier
+    assert b.final_text() == a.final_text()
+    assert b.messages[-1].thinking == a.messages[-1].thinking
+    assert (b.reward, b.success, b.end) == (a.reward, a.success, a.end)
+
+
+def test_endpoint_errors_end_the_episode_not_the_run(server_url, serve_config):
+  bad_key = OpenAIPolicy(server_url, serve_config.serving.model_name, "wrong", retries=0)
+  eps = _play(bad_key, _tasks()[:2], [None])
+  assert all(ep.end == "error" and "401" in ep.error for ep in eps)
+  with pytest.raises(ValueError, match="expected 'openai' or 'anthropic'"):
+    from rl.agent.http import make_http_policy
+    make_http_policy("gemini", server_url, "m")
+  assert issubclass(EndpointError, RuntimeError)
+
+
+def test_openai_messages_keep_thinking_and_calls():
+  call = ToolCall("call_1", "shell", '{"command": "ls"}')
+  msgs = [Message("user", [TextPart("q")]),
+          Message("assistant", [TextPart("")], thinking="let me look", tool_calls=[call]),
+          Message("tool", [TextPart("a.txt")], tool_call_id="call_1", name="shell")]
+  out = openai_messages(msgs)
+  assert out[1] == {"role": "assistant", "content": "", "reasoning_content": "let me look",
+                    "tool_calls": [{"id": "call_1", "type": "function",
+                                    "function": {"name": "shell", "arguments": '{"command": "ls"}'}}]}
+  assert out[2] == {"role": "tool", "tool_call_id": "call_1", "content": "a.txt"}
