@@ -9,6 +9,7 @@ reports the whole evaluation.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 from collections.abc import Sequence
@@ -63,6 +64,23 @@ def read_results(path: str | os.PathLike) -> list[dict[str, Any]]:
   return out
 
 
+def _jobs(tasks, tiers, samples: int, sampling: Sampling, task_tier_wins: bool):
+  """(task, tier, sampling) per episode and its result key, in a fixed order."""
+  if samples < 1:
+    raise ValueError(f"samples must be >= 1; got {samples}")
+  ids = [t.id for t in tasks]
+  if len(set(ids)) != len(ids):
+    raise ValueError("task ids must be unique within an evaluation")
+  jobs, keys = [], []
+  for task in tasks:
+    task_tiers = [task.tier] if (task_tier_wins and task.tier) else list(tiers)
+    for tier in task_tiers:
+      for i in range(samples):
+        keys.append(job_key(task.id, tier, i))
+        jobs.append((task, tier, dataclasses.replace(sampling, seed=sampling.seed + i)))
+  return jobs, keys
+
+
 def evaluate(
   tasks: Sequence[Task],
   policy: Policy,
@@ -88,20 +106,8 @@ def evaluate(
     transcripts: keep each episode's messages in its record (what an evaluator reads first
       when a number surprises them).
   """
-  if samples < 1:
-    raise ValueError(f"samples must be >= 1; got {samples}")
-  ids = [t.id for t in tasks]
-  if len(set(ids)) != len(ids):
-    raise ValueError("task ids must be unique within an evaluation")
-  wanted, jobs, keys = set(), [], []
-  for task in tasks:
-    task_tiers = [task.tier] if (task_tier_wins and task.tier) else list(tiers)
-    for tier in task_tiers:
-      for i in range(samples):
-        key = job_key(task.id, tier, i)
-        wanted.add(key)
-        jobs.append((task, tier, Sampling(**{**sampling.__dict__, "seed": sampling.seed + i})))
-        keys.append(key)
+  jobs, keys = _jobs(tasks, tiers, samples, sampling, task_tier_wins)
+  wanted = set(keys)
   done = {r["key"] for r in read_results(results) if "key" in r}
   todo = [i for i, k in enumerate(keys) if k not in done]
   Path(results).parent.mkdir(parents=True, exist_ok=True)
