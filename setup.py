@@ -39,7 +39,7 @@ setup(
         "matplotlib>=3.8",
         "tqdm>=4.66",
     ],
-    package_data={"training": ["assets/*.json", "assets/README.md"]},
+    package_data={"training": ["assets/*.json", "assets/README.md"], "rl": ["tasks/generators/data/*.json"]},
     extras_require={"test": ["pytest>=8", "pytest-xdist>=3.5", "ruff>=0.15", "import-linter>=2.1",
                              "openai>=1.50", "anthropic>=0.40", "ray>=2.40"],
                     "ray": ["ray>=2.40"]},

@@ -48,7 +48,8 @@ def main() -> None:
   executor = ThreadExecutor(EnvContext(), workers=16)
   n_one, n_many = (4, 32) if args.quick else (8, 96)
   try:
-    tasks = generated_tasks(["math", "terminal"], "heldout", 0, max(n_many, n_one) // 2)
+    math, terminal = (generated_tasks([d], "heldout", 0, n_many // 2) for d in ("math", "terminal"))
+    tasks = [t for pair in zip(math, terminal, strict=True) for t in pair]  # both runs: the same mix
     _measure(policy, executor, tasks[:2], 2, args.max_tokens)  # compile the engine's programs
     one = _measure(policy, executor, tasks[:n_one], 1, args.max_tokens)
     many = _measure(policy, executor, tasks[:n_many], 32, args.max_tokens)
