@@ -7,9 +7,10 @@ import pytest
 from rl.envs.base import EnvContext, make_env, replay
 from rl.sandbox import Sandbox, SandboxUnavailable
 from rl.tasks.generators import code as gen
-from rl.tasks.generators import corrupt_oracle, generate
+from rl.tasks.generators import generate
 from rl.tasks.schema import parse_task
 from serving.types import ToolCall
+from tests.rl.replay import replay_scores
 
 LEVELS = range(gen.MAX_DIFFICULTY + 1)
 
@@ -21,12 +22,6 @@ def ctx(tmp_path_factory):
   except SandboxUnavailable as e:
     pytest.skip(f"nsjail cannot run here: {e}")
   return EnvContext(root=tmp_path_factory.mktemp("code"))
-
-
-def _scores(tasks, ctx):
-  oracle = [replay(t, ctx).reward for t in tasks]
-  corrupt = [replay(t, ctx, corrupt_oracle(t)).reward for t in tasks]
-  return oracle, corrupt
 
 
 @pytest.mark.parametrize("level", LEVELS)
@@ -68,23 +63,18 @@ def test_mutant_cache_matches_the_rules():
 
 @pytest.mark.parametrize("level", LEVELS)
 def test_oracle_scores_1_and_near_miss_0(level, ctx):
-  tasks = [*generate("code", split="train", difficulty=level, n=2, seed=0),
-           *generate("code", split="heldout", difficulty=level, n=1, seed=0)]
-  oracle, corrupt = _scores(tasks, ctx)
-  assert oracle == [1.0] * len(tasks)
-  assert corrupt == [0.0] * len(tasks)
+  oracle, corrupt = replay_scores("code", level, ctx, n_train=2, n_heldout=1, seed=0)
+  assert oracle == [1.0] * 3
+  assert corrupt == [0.0] * 3
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("level", LEVELS)
 def test_oracle_and_near_miss_200_per_level(level, ctx):
-  tasks = [*generate("code", split="train", difficulty=level, n=100, seed=11),
-           *generate("code", split="heldout", difficulty=level, n=100, seed=11)]
-  oracle, corrupt = _scores(tasks, ctx)
-  print(f"code level {level}: oracle {sum(oracle):.0f}/{len(tasks)}, near miss 0 on "
-        f"{corrupt.count(0.0)}/{len(tasks)}")
-  assert oracle == [1.0] * len(tasks)
-  assert corrupt == [0.0] * len(tasks)
+  oracle, corrupt = replay_scores("code", level, ctx, n_train=100, n_heldout=100, seed=11)
+  print(f"code level {level}: oracle {sum(oracle):.0f}/200, near miss 0 on {corrupt.count(0.0)}/200")
+  assert oracle == [1.0] * 200
+  assert corrupt == [0.0] * 200
 
 
 def test_editing_the_tests_does_not_pass(ctx):

@@ -4,12 +4,13 @@ import json
 
 import pytest
 
-from rl.envs.base import EnvContext, make_env, replay
+from rl.envs.base import EnvContext, make_env
 from rl.sandbox import Sandbox, SandboxUnavailable
-from rl.tasks.generators import corrupt_oracle, generate
+from rl.tasks.generators import generate
 from rl.tasks.generators import terminal as gen
 from rl.tasks.schema import parse_task
 from serving.types import ToolCall
+from tests.rl.replay import replay_scores
 
 LEVELS = range(gen.MAX_DIFFICULTY + 1)
 
@@ -21,12 +22,6 @@ def ctx(tmp_path_factory):
   except SandboxUnavailable as e:
     pytest.skip(f"nsjail cannot run here: {e}")
   return EnvContext(root=tmp_path_factory.mktemp("terminal"), command_timeout_s=10.0)
-
-
-def _scores(tasks, ctx):
-  oracle = [replay(t, ctx).reward for t in tasks]
-  corrupt = [replay(t, ctx, corrupt_oracle(t)).reward for t in tasks]
-  return oracle, corrupt
 
 
 @pytest.mark.parametrize("level", LEVELS)
@@ -50,23 +45,18 @@ def test_splits_share_no_instance(level):
 
 @pytest.mark.parametrize("level", LEVELS)
 def test_oracle_scores_1_and_near_miss_0(level, ctx):
-  tasks = [*generate("terminal", split="train", difficulty=level, n=2, seed=0),
-           *generate("terminal", split="heldout", difficulty=level, n=1, seed=0)]
-  oracle, corrupt = _scores(tasks, ctx)
-  assert oracle == [1.0] * len(tasks)
-  assert corrupt == [0.0] * len(tasks)
+  oracle, corrupt = replay_scores("terminal", level, ctx, n_train=2, n_heldout=1, seed=0)
+  assert oracle == [1.0] * 3
+  assert corrupt == [0.0] * 3
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("level", LEVELS)
 def test_oracle_and_near_miss_200_per_level(level, ctx):
-  tasks = [*generate("terminal", split="train", difficulty=level, n=100, seed=11),
-           *generate("terminal", split="heldout", difficulty=level, n=100, seed=11)]
-  oracle, corrupt = _scores(tasks, ctx)
-  print(f"terminal level {level}: oracle {sum(oracle):.0f}/{len(tasks)}, near miss 0 on "
-        f"{corrupt.count(0.0)}/{len(tasks)}")
-  assert oracle == [1.0] * len(tasks)
-  assert corrupt == [0.0] * len(tasks)
+  oracle, corrupt = replay_scores("terminal", level, ctx, n_train=100, n_heldout=100, seed=11)
+  print(f"terminal level {level}: oracle {sum(oracle):.0f}/200, near miss 0 on {corrupt.count(0.0)}/200")
+  assert oracle == [1.0] * 200
+  assert corrupt == [0.0] * 200
 
 
 def test_tool_errors_come_back_as_results(ctx):
