@@ -116,9 +116,9 @@ async def run_episode(
     messages.append(Message("user", [TextPart(first_text)]))
     session = policy.session(task, messages, tools, tier, sampling)
     await _play(task, session, env, messages, ep, task.max_turns or config.default_max_turns)
-    grade = await env.grade(ep_final_text(messages))
-    ep.reward, ep.success, ep.grade = float(grade.reward), bool(grade.success), dict(grade.details)
     ep.messages = messages
+    grade = await env.grade(ep.final_text())
+    ep.reward, ep.success, ep.grade = float(grade.reward), bool(grade.success), dict(grade.details)
     if session.token_level:
       ep.token_ids, ep.logprobs, ep.loss_mask = list(session.ids), list(session.logprobs), list(session.mask)
   finally:
@@ -127,13 +127,6 @@ async def run_episode(
     await env.close()
   ep.wall_s = time.monotonic() - start
   return ep
-
-
-def ep_final_text(messages: Sequence[Message]) -> str:
-  for m in reversed(messages):
-    if m.role == "assistant":
-      return "".join(p.text for p in m.content if isinstance(p, TextPart))
-  return ""
 
 
 async def run_episodes(
