@@ -12,7 +12,7 @@ Variants:
   tiny_sharded -- tiny with dims divisible by 8-device meshes (2 layers).
   small -- CPU demo, ~60M total parameters.
   agent -- agent work on CPU (SFT, RL and evaluation in minutes): the 8192-token
-           tokenizer of `small`, a 4096-token context (2048 served), 4 layers
+           tokenizer (digit by digit), a 4096-token context (2048 served), 4 layers
            of width 128.
   full  -- the seed design: 93 layers (24 Gated DSA + 69 Delta), 608 routed
            experts of width 2048 (top-14) + 1 shared, ~2.80T total / ~104B
@@ -152,7 +152,8 @@ def _small(m: ml_collections.ConfigDict) -> None:
 
 
 def _agent(m: ml_collections.ConfigDict) -> None:
-  """Sized for agent episodes on 2 CPU cores: long context, small width, `small`'s tokenizer."""
+  """Sized for agent episodes on 2 CPU cores: long context, small width, 8192 ids (its own tokenizer:
+  `small`'s recipe with one digit per token, training/assets/README.md)."""
   _small(m)
   m.d_model = 128
   m.num_layers = 4  # DSA, Delta, DSA, Delta

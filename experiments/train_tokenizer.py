@@ -2,6 +2,7 @@
 
     python -m experiments.train_tokenizer --config=configs/horizon.py:tiny
     python -m experiments.train_tokenizer --config=configs/horizon.py:small
+    python -m experiments.train_tokenizer --config=configs/horizon.py:agent   # one digit per token
     python -m experiments.train_tokenizer --config=configs/horizon.py:full --out=/tmp/tok.json
 
 The vocabulary has exactly config.model.vocab_size ids: 256 bytes, BPE merges,
@@ -30,6 +31,8 @@ _OUT = flags.DEFINE_string("out", None, "Output tokenizer.json; default: the bun
                            "training/assets/tokenizer_<variant>.json (tiny and small only).")
 _MAX_BYTES = flags.DEFINE_integer("max_bytes", tok_lib.DEFAULT_CORPUS_BYTES,
                                   "Training bytes: the first N of the stdlib corpus.")
+_MAX_DIGITS = flags.DEFINE_integer("max_digits", None, "Longest digit run in one piece (1-3); default: "
+                                   "the bundled setting for the variant (agent: 1), else 3.")
 _HELDOUT_BYTES = flags.DEFINE_integer("heldout_bytes", tok_lib.DEFAULT_HELDOUT_BYTES,
                                       "Held-out bytes (whole files after the training bytes).")
 
@@ -49,8 +52,13 @@ def main(argv):
   vocab, image = config.model.vocab_size, config.model.image_token_id
   out = _out_path(config)
   texts = tok_lib.stdlib_training_texts(_MAX_BYTES.value)
+  max_digits = _MAX_DIGITS.value or tok_lib.BUNDLED_MAX_DIGITS.get(config.get("variant", ""), 3)
   try:
-    data = tok_lib.train_bpe(texts, vocab).encode()
+    tok_lib.split_pattern(max_digits)
+  except ValueError as e:
+    raise SystemExit(f"--max_digits: {e}") from None
+  try:
+    data = tok_lib.train_bpe(texts, vocab, max_digits).encode()
   except ValueError as e:  # too few merges in the corpus, or a vocab below 271 ids
     raise SystemExit(f"config.model.vocab_size={vocab}: {e}") from None
   tok = tok_lib.tokenizer_from_bytes(data, out)
@@ -75,7 +83,7 @@ def main(argv):
       "heldout_bytes_per_token": heldout_bytes / len(ids),
       "heldout_tokens_per_byte": len(ids) / heldout_bytes,
       "special_ids": tok.special_ids, "fingerprint": tok.fingerprint,
-      "corpus_sha256": corpus_sha, "python": platform.python_version()}
+      "corpus_sha256": corpus_sha, "max_digits": max_digits, "python": platform.python_version()}
   print(f"wrote {out} ({len(data):,} bytes, sha256 {tok.fingerprint[:16]})")
   print(f"vocab size {tok.vocab_size}: 256 bytes + {result['merges']} merges + "
         f"{len(tok_lib.SPECIAL_TOKENS)} special tokens")

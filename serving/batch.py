@@ -1,7 +1,11 @@
 """The engine's batch: per-slot request state, the jitted programs over all slots, row constraints.
 
 Why prefill and decode are separate calls with fixed shapes: a request's
-numerics must not depend on what else runs. Every computation in the model is
+numerics must not depend on what else runs. Prefill runs one row's chunk per
+call ([1, C], the row sliced out of the decode state and written back), so its
+cost follows the rows that prefill: a [S, C] call would compute S chunks for
+one new request, and under agent traffic some row prefills at almost every
+iteration. Every computation in the model is
 per row (attention, the delta rule, dropless MoE whose per-token result does
 not depend on the other tokens' routing), each jitted program has one shape
 (the prefill always takes image patches, zeros when a chunk has none), and
@@ -66,17 +70,22 @@ class Slot:
 def compile_programs(graphdef: nnx.GraphDef) -> dict[str, Callable]:
   """The engine's jitted programs (pure; the model enters as graphdef + state).
 
-  prefill(state, cache, tokens [S, C], lengths [S], image_embeds [S, C, d]) -> (last logits [S, V], cache);
-  decode(state, cache, tokens [S], valid bool [S]) -> (logits [S, V], cache); reset(cache, rows bool
-  [S]) zeroes rows; encode(state, images [1, H, W, C]) -> patches; sample: serving.sampling.sample_rows.
-  The decode state (prefill/decode argument 1, reset argument 0) is donated.
+  prefill(state, cache, row, tokens [1, C], length [1], image_embeds [1, C, d]) -> (last logits [V],
+  cache): one chunk of one row; decode(state, cache, tokens [S], valid bool [S]) -> (logits [S, V],
+  cache); reset(cache, rows bool [S]) zeroes rows; encode(state, images [1, H, W, C]) -> patches;
+  sample: serving.sampling.sample_rows. The decode state (prefill/decode argument 1, reset
+  argument 0) is donated.
   """
 
-  def prefill(state, cache, tokens, lengths, image_embeds):
+  def prefill(state, cache, row, tokens, length, image_embeds):
+    # One row's chunk: its decode state is sliced out of the batch, extended and written back
+    # in place (the cache is donated), so prefill costs the chunk of the rows that prefill,
+    # not S chunks, and has one shape whatever else runs.
     model = nnx.merge(graphdef, state)
-    logits, cache = model.prefill(tokens, lengths, cache, image_embeds=image_embeds)
-    last = jnp.take_along_axis(logits, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)
-    return last[:, 0], cache
+    sub = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, row, 1, axis=0), cache)
+    logits, sub = model.prefill(tokens, length, sub, image_embeds=image_embeds)
+    cache = jax.tree.map(lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b, row, axis=0), cache, sub)
+    return logits[0, jnp.maximum(length[0] - 1, 0)], cache
 
   def decode(state, cache, tokens, valid):
     # decode_step's maths (a one-token prefill) with a valid mask instead of all-ones, so rows

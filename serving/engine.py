@@ -7,9 +7,9 @@ One background thread loops:
 
   1. admit waiting requests (FIFO) into free slots: zero the slot's row
      (`reset_cache_rows`), encode the request's images once;
-  2. prefill ONE chunk for every slot still prefilling, together, in one
-     jitted [slots, prefill_chunk] call (other rows have length 0 and stay
-     untouched);
+  2. prefill ONE chunk for every slot still prefilling, one jitted
+     [1, prefill_chunk] call per such row (its decode state sliced out and
+     written back in place), so prefill costs what the prefilling rows need;
   3. one jitted decode step [slots] for every decoding slot (a valid mask
      keeps idle and prefilling rows untouched);
   4. sample every row that got logits (jitted, per row), hand the tokens to
@@ -104,11 +104,10 @@ class Engine:
     self._thread: threading.Thread | None = None
     self._stopping = False
     # Constant inputs kept on the device: "no constraint" masks, and the image patches of chunks
-    # without placeholders. The prefill always takes image_embeds [S, C, d] (the size of one
-    # chunk's activations), so one program serves chunks with and without images and a request's
-    # numerics never depend on whether another row holds an image.
+    # without placeholders. The prefill always takes image_embeds [1, C, d] (the size of one
+    # chunk's activations), so one program serves chunks with and without images.
     self._all_allowed = jnp.ones((slots, self.vocab_size), bool)
-    self._no_images = jnp.zeros((slots, prefill_chunk, cfg.d_model), cfg.jnp_dtype)
+    self._no_images = jnp.zeros((1, prefill_chunk, cfg.d_model), cfg.jnp_dtype)
 
   # ---- lifecycle ------------------------------------------------------------------
   @property
@@ -312,29 +311,32 @@ class Engine:
     if not rows:
       return None
     c = self.prefill_chunk
-    tokens = np.zeros((self.slots, c), np.int32)
-    lengths = np.zeros(self.slots, np.int32)
-    embeds = None
-    for i in rows:
-      s = self._rows[i]
-      chunk = s.prompt[s.fed:s.fed + c]
-      tokens[i, :len(chunk)], lengths[i] = chunk, len(chunk)
-      n_img = int(np.sum(chunk == self.cfg.image_token_id))
-      if n_img:  # this chunk's placeholders take the request's next n_img patches, in order
-        if embeds is None:
-          embeds = np.zeros((self.slots, c, self.cfg.d_model), np.float32)
-        embeds[i, :n_img] = s.patches[s.images_fed:s.images_fed + n_img]
-        s.images_fed += n_img
-    embeds = self._no_images if embeds is None else jnp.asarray(embeds, self.cfg.jnp_dtype)
-    logits, self._cache = self._fns["prefill"](self._state, self._cache, jnp.asarray(tokens),
-                                               jnp.asarray(lengths), embeds)
+    last = []
     done = np.zeros(self.slots, bool)
     for i in rows:
       s = self._rows[i]
-      s.fed += int(lengths[i])
-      s.cache_len += int(lengths[i])
+      chunk = s.prompt[s.fed:s.fed + c]
+      tokens = np.zeros((1, c), np.int32)
+      tokens[0, :len(chunk)] = chunk
+      embeds = self._no_images
+      n_img = int(np.sum(chunk == self.cfg.image_token_id))
+      if n_img:  # this chunk's placeholders take the request's next n_img patches, in order
+        patches = np.zeros((1, c, self.cfg.d_model), np.float32)
+        patches[0, :n_img] = s.patches[s.images_fed:s.images_fed + n_img]
+        s.images_fed += n_img
+        embeds = jnp.asarray(patches, self.cfg.jnp_dtype)
+      logits, self._cache = self._fns["prefill"](self._state, self._cache, np.int32(i), jnp.asarray(tokens),
+                                                 jnp.asarray([len(chunk)], np.int32), embeds)
+      s.fed += len(chunk)
+      s.cache_len += len(chunk)
       done[i] = s.fed == len(s.prompt)
-    return logits, done
+      last.append((i, logits))
+    # Only rows whose prompt is complete sample; the others' logits are never read.
+    out = jnp.zeros((self.slots, self.vocab_size), last[0][1].dtype)
+    finished = [(i, lg) for i, lg in last if done[i]]
+    if finished:
+      out = out.at[np.array([i for i, _ in finished])].set(jnp.stack([lg for _, lg in finished]))
+    return out, done
 
   def _decode(self) -> tuple[jax.Array, np.ndarray] | None:
     """Feeds every decoding row its pending token; returns (logits [S, V], rows decoded)."""

@@ -56,12 +56,27 @@ def _gpt2_unicode_to_byte() -> dict[str, int]:
   return {chr(c): b for b, c in zip(bs, cs, strict=True)}
 
 
+def test_agent_tokenizer_spells_numbers_digit_by_digit():
+  """`agent`'s tokenizer (max_digits=1): every digit is its own token, so 57 + 65 = 122 is
+  column arithmetic over ten tokens; `small` (1-3 digits) keeps runs of up to three."""
+  agent = tok_lib.load_tokenizer(tok_lib.default_tokenizer_path("agent"))
+  small = tok_lib.load_tokenizer(tok_lib.default_tokenizer_path("small"))
+  text = "57 + 65 = 122; x[2024] == 3.14159"
+  digits = [agent.decode([i]) for i in agent.encode(text) if agent.decode([i]).strip().isdigit()]
+  assert digits == list("576512220243" "14159")
+  assert any(len(small.decode([i])) > 1 and small.decode([i]).isdigit() for i in small.encode(text))
+  assert agent.decode(agent.encode(text)) == text
+  assert tok_lib.split_pattern(3) == tok_lib.SPLIT_PATTERN
+  with pytest.raises(ValueError, match="max_digits=4"):
+    tok_lib.split_pattern(4)
+
+
 def test_special_tokens_defined_once():
   assert len(SPECIAL_TOKENS) == 15 and len(set(SPECIAL_TOKENS)) == 15
   assert SPECIAL_TOKENS[0] == "<|pad|>" and SPECIAL_TOKENS[-1] == "<|image|>"
 
 
-@pytest.mark.parametrize("variant", ["tiny", "tiny_sharded", "small"])
+@pytest.mark.parametrize("variant", ["tiny", "tiny_sharded", "small", "agent"])
 def test_bundled_special_ids_are_last_and_match_config(variant):
   model = horizon.get_config(variant).model
   tok = tok_lib.load_tokenizer(tok_lib.default_tokenizer_path(variant), model.vocab_size,

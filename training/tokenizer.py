@@ -56,10 +56,27 @@ SPECIAL_TOKENS: tuple[str, ...] = (
 SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
+
+
+def split_pattern(max_digits: int = 3) -> str:
+  """SPLIT_PATTERN with runs of at most `max_digits` digits (1: every digit its own piece).
+
+  One digit per piece (as Llama 1/2 split numbers) gives every number the same
+  digit-by-digit spelling, so column arithmetic is learnt from ten digit tokens
+  instead of memorised over a thousand 1-3 digit ones; the pattern is saved in
+  the tokenizer.json, so a file always splits as it was trained.
+  """
+  if not 1 <= max_digits <= 3:
+    raise ValueError(f"max_digits={max_digits}: choose 1, 2 or 3 digits per piece.")
+  return SPLIT_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}" if max_digits == 1 else rf"\p{{N}}{{1,{max_digits}}}")
+
+
 ASSETS_DIR = Path(__file__).resolve().parent / "assets"
 # Variants whose tokenizer ships with the repo (tiny_sharded pads tiny's 331 ids to 332).
 _BUNDLED = {"tiny": "tokenizer_tiny.json", "tiny_sharded": "tokenizer_tiny.json",
-            "small": "tokenizer_small.json", "agent": "tokenizer_small.json"}
+            "small": "tokenizer_small.json", "agent": "tokenizer_agent.json"}
+# Digits per piece of the bundled tokenizers (3 unless named): `agent` does column arithmetic.
+BUNDLED_MAX_DIGITS = {"agent": 1}
 _CREATE_HINT = "python -m experiments.train_tokenizer --config=configs/horizon.py:<variant> --out=PATH"
 
 DEFAULT_CORPUS_BYTES = 8 << 20  # training bytes of the stdlib corpus (training.byte_corpus)
@@ -407,13 +424,14 @@ def stdlib_training_texts(max_bytes: int = DEFAULT_CORPUS_BYTES) -> list[str]:
   return re.split(r"(?<=\n)(?=\S)", text)
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int) -> str:
+def train_bpe(texts: Iterable[str], vocab_size: int, max_digits: int = 3) -> str:
   """Trains a byte-level BPE and returns its tokenizer.json (HF tokenizers format).
 
   Args:
     texts: training text (deterministic order; the result depends only on it).
     vocab_size: total ids including SPECIAL_TOKENS: 256 byte tokens, then
       vocab_size - 271 merges, then the 15 special tokens (<|image|> last).
+    max_digits: longest run of digits in one piece (`split_pattern`).
 
   Returns:
     The JSON text; load it with `tokenizer_from_bytes` / `load_tokenizer`.
@@ -424,7 +442,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> str:
                      f"ids (256 bytes + {len(SPECIAL_TOKENS)} special tokens).")
   tok = tokenizers.Tokenizer(tokenizers.models.BPE())  # no unk: every byte is a token
   tok.pre_tokenizer = tokenizers.pre_tokenizers.Sequence([
-      tokenizers.pre_tokenizers.Split(tokenizers.Regex(SPLIT_PATTERN), behavior="isolated"),
+      tokenizers.pre_tokenizers.Split(tokenizers.Regex(split_pattern(max_digits)), behavior="isolated"),
       tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
   tok.decoder = tokenizers.decoders.ByteLevel()
   trainer = tokenizers.trainers.BpeTrainer(

@@ -117,6 +117,42 @@ def test_expression_steps_follow_precedence():
   assert steps == ["3 - 5 = -2", "-(-2) = 2", "2 * 2 = 4", "12 / 4 = 3", "4 + 3 = 7"]
 
 
+def _last_digits(line: str) -> str:
+  return line.split("-> ")[1].split()[0]
+
+
+def test_column_working_is_exact():
+  """Every column line is true arithmetic and the last line's digits are the sum / difference."""
+  rng = __import__("random").Random(0)
+  pairs = [(rng.randrange(10**rng.randint(1, 5)), rng.randrange(10**rng.randint(1, 5))) for _ in range(3000)]
+  for a, b in pairs + [(0, 0), (999, 1), (1000, 1), (10, 10), (5, 95)]:
+    add = gen._column_add(a, b)
+    assert _last_digits(add[-1]) == str(a + b)
+    hi, lo = max(a, b), min(a, b)
+    sub = gen._column_sub(hi, lo)
+    assert int(_last_digits(sub[-1])) == hi - lo and len(sub) == len(str(hi))
+    for line in add + sub:  # "x + y + 1 = s", "x - 1 - y + 10 = d": each an identity
+      lhs, rhs = line.split(" -> ")[0].split(" = ")
+      assert eval(lhs) == int(rhs), line  # noqa: S307 (our own digits and + -)
+
+
+def test_column_working_in_the_oracle():
+  """Two-digit + and - think digit by digit (carry, borrow, a negative difference); one digit each
+  is a plain fact; the steps still end in the value."""
+  def thinking(expr):
+    steps = []
+    value = gen._eval(ast.parse(expr, mode="eval").body, steps)
+    return steps, value
+  steps, value = thinking("57 + 65")
+  assert steps == ["57 + 65, digit by digit from the right:", "7 + 5 = 12 -> 2 carry 1",
+                   "5 + 6 + 1 = 12 -> 122", "57 + 65 = 122"] and value == 122
+  steps, value = thinking("57 - 65")
+  assert steps == ["57 - 65 = -(65 - 57); 65 - 57, digit by digit from the right:",
+                   "5 - 7 + 10 = 8 -> 8 borrow 1", "6 - 1 - 5 = 0 -> 08", "65 - 57 = 8", "57 - 65 = -8"]
+  assert thinking("3 + 6")[0] == ["3 + 6 = 9"]
+  assert thinking("12 * 3")[0] == ["12 * 3 = 36"]
+
+
 def test_wrong_answer_differs():
   for answer in ["0", "-24", "7", "3/4", "12.5"]:
     assert not answers_match(gen.wrong_answer(answer), answer)

@@ -16,7 +16,8 @@ Levels (datasets and their reasoning-gym configs in `LEVELS`; the mix in `DEFAUL
      linear equations
   4  GSM-style word problems (gsm_symbolic), long expressions, harder equations
 
-The oracle thinks through a solution we compute ourselves (the arithmetic steps, Euclid's
+The oracle thinks through a solution we compute ourselves (the arithmetic steps, + and - of
+whole numbers digit by digit with carries and borrows, Euclid's
 algorithm, the per-item counts, the equation rearranged; gsm_symbolic's own chain of
 thought) and answers `<answer>X</answer>`; a task is only written when our value agrees
 with reasoning-gym's answer under the grader's exact comparison.
@@ -100,6 +101,55 @@ def _fmt(x: Fraction) -> str:
   return str(x.numerator) if x.denominator == 1 else f"{x.numerator}/{x.denominator}"
 
 
+def _column_add(a: int, b: int) -> list[str]:
+  """a + b (both >= 0) column by column from the right; each line ends with the digits so far."""
+  xs, ys = str(a)[::-1], str(b)[::-1]
+  width, carry, so_far, lines = max(len(xs), len(ys)), 0, "", []
+  for i in range(width):
+    x, y = int(xs[i]) if i < len(xs) else 0, int(ys[i]) if i < len(ys) else 0
+    total = x + y + carry
+    last = i == width - 1
+    so_far = (str(total) if last else str(total % 10)) + so_far
+    lines.append(f"{x} + {y}{' + 1' if carry else ''} = {total} -> {so_far}"
+                 + (" carry 1" if total >= 10 and not last else ""))
+    carry = total // 10
+  return lines
+
+
+def _column_sub(a: int, b: int) -> list[str]:
+  """a - b (a >= b >= 0) column by column from the right, borrowing where a digit is short."""
+  xs, ys = str(a)[::-1], str(b)[::-1]
+  borrow, so_far, lines = 0, "", []
+  for i in range(len(xs)):
+    x, y = int(xs[i]), int(ys[i]) if i < len(ys) else 0
+    top = x - borrow
+    head = f"{x}{' - 1' if borrow else ''} - {y}"
+    if top < y:
+      digit, borrow, tail = top + 10 - y, 1, " borrow 1"
+      head += " + 10"
+    else:
+      digit, borrow, tail = top - y, 0, ""
+    so_far = str(digit) + so_far
+    lines.append(f"{head} = {digit} -> {so_far}{tail}")
+  return lines
+
+
+def _column_steps(left: Fraction, symbol: str, right: Fraction, value: Fraction) -> list[str]:
+  """Digit-by-digit working for + and - of whole numbers >= 0, one of them >= 10 (a small model
+  learns the digit table and the carry, not every pair of numbers); [] where it does not apply."""
+  if symbol not in "+-" or left.denominator != 1 or right.denominator != 1 or left < 0 or right < 0:
+    return []
+  a, b = int(left), int(right)
+  if a < 10 and b < 10:
+    return []  # one digit each: a fact of the table itself
+  if symbol == "+":
+    return [f"{a} + {b}, digit by digit from the right:", *_column_add(a, b)]
+  if a >= b:
+    return [f"{a} - {b}, digit by digit from the right:", *_column_sub(a, b)]
+  return [f"{a} - {b} = -({b} - {a}); {b} - {a}, digit by digit from the right:", *_column_sub(b, a),
+          f"{b} - {a} = {b - a}"]
+
+
 def _eval(node: ast.AST, steps: list[str]) -> Fraction:
   """Exact value of an arithmetic AST, appending one line per operation (innermost first)."""
   if isinstance(node, ast.Constant) and isinstance(node.value, int):
@@ -117,6 +167,7 @@ def _eval(node: ast.AST, steps: list[str]) -> Fraction:
     if symbol == "/" and right == 0:
       raise ZeroDivisionError
     value = fn(left, right)
+    steps.extend(_column_steps(left, symbol, right, value))
     steps.append(f"{_fmt(left)} {symbol} {_fmt(right)} = {_fmt(value)}")
     return value
   raise ValueError(f"unsupported expression node {ast.dump(node)}")
