@@ -15,6 +15,7 @@ import abc
 import asyncio
 import concurrent.futures
 import dataclasses
+import time
 from typing import Any
 
 from rl.envs.base import EnvContext, Grade, ToolResult, make_env
@@ -162,3 +163,44 @@ def make_executor(kind: str, ctx: EnvContext | None = None, workers: int = 8, ad
   if kind == "ray":
     return RayExecutor(ctx, address)
   raise ValueError(f"env_executor={kind!r}: expected 'thread' or 'ray'")
+
+
+class _TimedHandle(EnvHandle):
+  def __init__(self, inner: EnvHandle, owner: "TimedExecutor"):
+    self.inner, self.owner = inner, owner
+
+  async def _timed(self, coro):
+    t0 = time.perf_counter()
+    try:
+      return await coro
+    finally:
+      self.owner.busy_s += time.perf_counter() - t0
+
+  async def reset(self):
+    return await self._timed(self.inner.reset())
+
+  async def execute(self, call):
+    return await self._timed(self.inner.execute(call))
+
+  async def grade(self, final_text):
+    return await self._timed(self.inner.grade(final_text))
+
+  async def close(self):
+    return await self._timed(self.inner.close())
+
+
+class TimedExecutor(Executor):
+  """Another executor, counting the seconds episodes spend waiting on environments (`busy_s`:
+  summed over episodes, so it overlaps generation and other episodes)."""
+
+  def __init__(self, inner: Executor):
+    self.inner, self.busy_s = inner, 0.0
+
+  async def open(self, task: Task) -> EnvHandle:
+    t0 = time.perf_counter()
+    handle = await self.inner.open(task)
+    self.busy_s += time.perf_counter() - t0
+    return _TimedHandle(handle, self)
+
+  def shutdown(self) -> None:
+    self.inner.shutdown()

@@ -18,6 +18,7 @@ import json
 import logging
 import shutil
 import tempfile
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
@@ -57,7 +58,8 @@ class EnvContext:
   """What environments share: where task directories live and how commands are sandboxed.
 
   Attributes:
-    root: parent of the per-episode task directories (default: a fresh temp dir).
+    root: parent of the per-episode task directories (default: a fresh temp dir, removed when
+      the context is garbage-collected or the process exits).
     allow_unsafe_sandbox: run commands without nsjail when it cannot start (never silently).
     command_timeout_s: wall-time limit of one shell/python tool call.
     memory_mb, max_pids: cgroup limits of one sandboxed command.
@@ -72,8 +74,9 @@ class EnvContext:
   output_limit_bytes: int = 64 * 1024
 
   def __post_init__(self):
-    if self.root is None:
+    if self.root is None:  # ours: removed with this context (or at exit)
       self.root = Path(tempfile.mkdtemp(prefix="horizon_envs_"))
+      weakref.finalize(self, shutil.rmtree, str(self.root), ignore_errors=True)
     self.root = Path(self.root)
     self.root.mkdir(parents=True, exist_ok=True)
 

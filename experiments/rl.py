@@ -1,0 +1,43 @@
+"""Joint multi-domain RL from an SFT (or pretrained) checkpoint (configs/rl.py).
+
+    python -m experiments.rl --config=configs/rl.py:grpo --workdir=/tmp/horizon_rl \
+        --init_checkpoint=/tmp/horizon_sft/checkpoints
+    python -m experiments.rl --config=configs/rl.py:dapo --workdir=/tmp/rl_dapo \
+        --init_checkpoint=/tmp/horizon_sft/checkpoints --config.rl.mixture='math=2,terminal=1'
+
+Run the same command again to resume from <workdir>/checkpoints. Metrics go to the console,
+<workdir>/metrics.jsonl and TensorBoard (per-domain reward, success, tokens, entropy, TIS and
+KL diagnostics, mixture weights), a few whole episodes per step to
+<workdir>/trajectories.jsonl; `experiments.serve --checkpoint=<workdir>/checkpoints` serves
+the policy and `experiments.evaluate --checkpoint=...` evaluates it. Last line: the summary as
+JSON.
+"""
+
+from __future__ import annotations
+
+import json
+
+from absl import app, flags
+
+from experiments.config_util import define_config_flag
+from rl.train.trainer import run
+
+_CONFIG = define_config_flag()
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics).", required=True)
+_INIT = flags.DEFINE_string("init_checkpoint", None, "Start the policy from these weights (an SFT or "
+                            "pretraining checkpoint directory); same as --config.checkpoint.init_from.")
+
+
+def main(argv):
+  del argv
+  config = _CONFIG.value
+  if _INIT.value:
+    with config.unlocked():
+      config.checkpoint.init_from = _INIT.value
+  summary = run(config, _WORKDIR.value)
+  summary.pop("history", None)
+  print(json.dumps(summary, default=str), flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main)

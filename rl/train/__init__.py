@@ -1,0 +1,1 @@
+"""Joint multi-domain RL: objectives (GRPO family), task mixture, batches, the update, the loop."""

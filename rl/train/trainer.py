@@ -1,0 +1,332 @@
+"""The joint multi-domain RL loop behind `experiments.rl`.
+
+Each step:
+  1. draw `prompts_per_step` tasks from the mixture (rl/train/mixture.py) and a thinking tier
+     per prompt (config.rl.tiers), then play `samples_per_prompt` episodes of each through the
+     agent loop on the in-process Engine (continuous batching; tools in the worker pool);
+  2. shape rewards (correctness, thinking-budget and overlong terms) and compute advantages
+     within (task, tier) groups; with dynamic sampling, groups whose rewards are all equal are
+     dropped and more prompts are drawn (up to `max_refills` rounds);
+  3. score the batch with the trainer's weights (logp_old, entropy), then `updates_per_step`
+     passes of micro-batched gradient steps on the chosen objective, TIS-corrected against the
+     engine's log-probs;
+  4. hand the new weights to the engine (`Engine.update_weights`: no file round trip), log
+     per-domain metrics, write a few whole trajectories, checkpoint, and every `eval_every`
+     steps evaluate held-out tasks through the harness.
+
+Checkpoints (orbax, as pretraining) hold the policy, optimizer, step and the task sampler's
+state (stream positions, adaptive weights); every sampling seed is a function of (seed, step,
+index), so a resumed run continues exactly as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+from etils import epath
+from flax import nnx
+
+from model.config import model_config
+from model.decoder import Horizon
+from rl.agent.episode import Episode
+from rl.agent.executor import TimedExecutor, make_executor
+from rl.agent.loop import LoopConfig, run_episodes
+from rl.agent.policy import EnginePolicy, Sampling
+from rl.envs.base import EnvContext
+from rl.train import batch as batch_lib
+from rl.train import objectives as obj_lib
+from rl.train import update as update_lib
+from rl.train.mixture import MixtureSampler, parse_levels, parse_mixture
+from serving.chat import ChatRenderer
+from serving.engine import Engine
+from sharding import mesh as mesh_lib
+from sharding.state import create_sharded_model
+from training import batches as batches_lib
+from training import metrics as metrics_lib
+from training.checkpoint import Checkpointer, restore_params
+from training.train_step import TrainConfig, make_train_state
+
+_KNOBS = tuple(f.name for f in dataclasses.fields(obj_lib.Objective))
+_ADDITIVE = ("loss", "policy_loss")
+
+
+def objective_from_config(rl) -> obj_lib.Objective:
+  """config.rl.algorithm's preset with every knob config.rl sets (None keeps the preset's)."""
+  return obj_lib.objective(rl.algorithm, **{k: rl.get(k) for k in _KNOBS if rl.get(k) is not None})
+
+
+def parse_tiers(text: str) -> dict[str, float]:
+  """"low=1,high=1" -> {tier: weight}; "high" -> {'high': 1}; 'off' = thinking off."""
+  out = {}
+  for part in (p.strip() for p in str(text).split(",") if p.strip()):
+    name, sep, w = part.partition("=")
+    if name not in ("low", "high", "max", "off"):
+      raise ValueError(f"config.rl.tiers: unknown tier {name!r}; tiers: low, high, max, off.")
+    out[name] = float(w) if sep else 1.0
+  if not out or sum(out.values()) <= 0:
+    raise ValueError(f"config.rl.tiers={text!r}: give at least one tier a positive weight.")
+  return out
+
+
+class RLRun:
+  """One RL launch: policy + optimizer + engine + environments + task sampler + checkpointer."""
+
+  def __init__(self, config, workdir: str):
+    self.config, self.workdir, self.rl = config, workdir, config.rl
+    self.cfg = model_config(config)
+    self.tc = dataclasses.replace(TrainConfig.from_config(config.train), steps=int(config.rl.steps))
+    self.obj = objective_from_config(config.rl)
+    self.tiers = parse_tiers(config.rl.tiers)
+    mixture = parse_mixture(config.rl.mixture)
+    self.sampler = MixtureSampler(mixture, parse_levels(config.rl.difficulty, list(mixture)),
+                                  seed=int(config.rl.seed), adaptive=bool(config.rl.adaptive),
+                                  floor=float(config.rl.adaptive_floor))
+    self.shaping = batch_lib.Shaping(budget_penalty=float(config.rl.budget_penalty),
+                                     max_tokens_per_turn=int(config.env.max_tokens_per_turn))
+    self.loop_config = LoopConfig.from_config(config.env)
+    self.tokenizer = batches_lib.tokenizer_for(config)
+    self.think_end = self.tokenizer.special_id("/think")
+    self.mesh = mesh_lib.make_mesh(config.mesh)
+
+  # ---- setup ----------------------------------------------------------------------
+  def build(self) -> None:
+    config, cfg = self.config, self.cfg
+    self.model = create_sharded_model(lambda: Horizon(cfg, rngs=nnx.Rngs(config.seed)), self.mesh)
+    self.optimizer = make_train_state(self.model, self.tc)
+    self.ckpt = Checkpointer(str(epath.Path(self.workdir) / "checkpoints"), every=config.checkpoint.every,
+                             keep=config.checkpoint.keep, async_save=config.checkpoint.async_save)
+    self.start = 0
+    if self.ckpt.latest_step() is not None:
+      meta = self.ckpt.restore(model=self.model, optimizer=self.optimizer)
+      self.start = int(meta["step"])
+      self.sampler.set_state(meta["data_state"])
+      logging.info("resumed RL from %s at step %d", self.ckpt.directory, self.start)
+    elif config.checkpoint.get("init_from"):
+      meta = restore_params(config.checkpoint.init_from, self.model)
+      logging.info("initialised the policy from %s (step %d)", config.checkpoint.init_from, meta["step"])
+    s = config.serving
+    self.engine = Engine(self.model, self.tokenizer, slots=s.slots, max_context=s.max_context,
+                         prefill_chunk=s.prefill_chunk, seed=s.seed).start()
+    renderer = ChatRenderer(self.tokenizer, cfg.vision.num_patches if cfg.vision.enabled else 0)
+    self.policy = EnginePolicy(self.engine, renderer, dict(s.thinking_budgets))
+    self.ctx = EnvContext.from_config(config.env)
+    inner = make_executor(config.env.executor, self.ctx, workers=int(config.env.workers))
+    self.executor = TimedExecutor(inner)
+
+  def close(self) -> None:
+    self.executor.shutdown()
+    self.engine.stop()
+    self.ckpt.close()
+
+  # ---- rollouts -------------------------------------------------------------------
+  def _jobs(self, step: int, round_: int) -> tuple[list[tuple], list[str]]:
+    rl = self.rl
+    draws = self.sampler.draw(step * 1000 + round_, int(rl.prompts_per_step))
+    rng = np.random.default_rng([int(rl.seed), step, round_, 11])
+    names = sorted(self.tiers)
+    p = np.array([self.tiers[t] for t in names])
+    tiers = [names[i] for i in rng.choice(len(names), size=len(draws), p=p / p.sum())]
+    jobs, sources = [], []
+    for j, ((source, task), tier) in enumerate(zip(draws, tiers, strict=True)):
+      for g in range(int(rl.samples_per_prompt)):
+        seed = (int(rl.seed) * 1_000_003 + step * 10_007 + round_ * 1_009 + j * 101 + g) % (2**31)
+        jobs.append((task, None if tier == "off" else tier,
+                     Sampling(temperature=float(rl.temperature), seed=seed,
+                              max_tokens_per_turn=int(self.config.env.max_tokens_per_turn))))
+        sources.append(source)
+    return jobs, sources
+
+  def rollout(self, step: int) -> tuple[list[Episode], list[str], dict[str, float]]:
+    """Episodes of this step (after dynamic sampling), their sources, and rollout stats."""
+    kept: list[Episode] = []
+    sources: list[str] = []
+    stats = {"groups": 0, "groups_dropped": 0, "rounds": 0, "episodes_played": 0}
+    busy0 = self.executor.busy_s
+    for round_ in range(1 + int(self.rl.max_refills) if self.obj.dynamic_sampling else 1):
+      jobs, srcs = self._jobs(step, round_)
+      eps = asyncio.run(run_episodes(jobs, self.policy, self.executor, concurrency=self.engine.slots,
+                                     config=self.loop_config))
+      stats["rounds"] += 1
+      stats["episodes_played"] += len(eps)
+      groups = batch_lib.group_ids(eps)
+      stats["groups"] += len(set(groups))
+      if self.obj.dynamic_sampling:
+        rewards, _ = batch_lib.shape_rewards(eps, self.obj, self.shaping, self.think_end)
+        keep = obj_lib.informative_groups(rewards, groups)
+        stats["groups_dropped"] += len(set(groups[~keep]))
+        eps = [e for e, k in zip(eps, keep, strict=True) if k]
+        srcs = [s for s, k in zip(srcs, keep, strict=True) if k]
+      kept += eps
+      sources += srcs
+      if len(kept) >= int(self.rl.prompts_per_step) * int(self.rl.samples_per_prompt):
+        break
+    self.last_played = eps
+    stats["env_busy_s"] = self.executor.busy_s - busy0
+    stats["generated_tokens"] = float(sum(e.generated_tokens for e in kept))
+    return kept, sources, stats
+
+  # ---- the update -----------------------------------------------------------------
+  def _micro(self, arrays: dict[str, np.ndarray], rows: slice) -> dict[str, jax.Array]:
+    return {k: jnp.asarray(v[rows]) for k, v in arrays.items()}
+
+  def update(self, episodes: Sequence[Episode]) -> dict[str, Any]:
+    rewards, parts = batch_lib.shape_rewards(episodes, self.obj, self.shaping, self.think_end)
+    groups = batch_lib.group_ids(episodes)
+    adv = obj_lib.advantages(rewards, groups, self.obj)
+    arrays = batch_lib.to_batch(episodes, adv, self.obj, pad_multiple=int(self.rl.pad_multiple),
+                                pad_id=self.tokenizer.pad_id)
+    b = len(episodes)
+    mb = max(1, min(int(self.rl.micro_batch), b))
+    chunks = [slice(i, min(i + mb, b)) for i in range(0, b, mb)]
+    logp_old = np.zeros_like(arrays["mask"])
+    entropy = np.zeros_like(arrays["mask"])
+    t0 = time.perf_counter()
+    for rows in chunks:
+      lp, ent = update_lib.score(self.model, self._micro(arrays, rows))
+      logp_old[rows], entropy[rows] = np.asarray(lp), np.asarray(ent)
+    arrays["logp_old"] = logp_old
+    t_score = time.perf_counter() - t0
+    out: dict[str, Any] = {}
+    tokens = arrays["mask"].sum()
+    t0 = time.perf_counter()
+    for _ in range(int(self.rl.updates_per_step)):
+      grads, sums = None, {}
+      for rows in chunks:
+        g, m = update_lib.micro_grads(self.model, self.optimizer, self._micro(arrays, rows), self.obj,
+                                      self.tc, len(chunks))
+        grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
+        # loss terms add up over micro-batches (whole-batch weights); the rest are token averages
+        share = arrays["mask"][rows].sum() / max(tokens, 1.0)
+        for k, v in m.items():
+          sums[k] = sums.get(k, 0.0) + np.asarray(v, np.float64) * (1.0 if k in _ADDITIVE else share)
+      load = jnp.asarray(sums.pop("load") / len(chunks), jnp.float32) if "load" in sums else None
+      applied = update_lib.apply_grads(self.model, self.optimizer, grads, load, self.tc)
+      out.update({k: float(np.asarray(v)) for k, v in applied.items()})
+      out.update({k: float(v) for k, v in sums.items()})
+    t_update = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    self.engine.update_weights(self.model)
+    t_sync = time.perf_counter() - t0
+    out.update(self._domain_metrics(episodes, rewards, parts, arrays, entropy))
+    out.update(score_s=t_score, update_s=t_update, sync_s=t_sync,
+               tokens=float(arrays["mask"].sum()), batch_rows=float(b),
+               batch_len=float(arrays["mask"].shape[1]))
+    return out
+
+  def _domain_metrics(self, episodes, rewards, parts, arrays, entropy) -> dict[str, float]:
+    domains = [e.domain for e in episodes]
+    mask = arrays["mask"]
+    per_ep_entropy = (entropy * mask).sum(1) / np.maximum(mask.sum(1), 1)
+    values = {
+      "reward": rewards, "correct": parts["correct"],
+      "success": np.array([e.success for e in episodes], float),
+      "response_tokens": np.array([e.generated_tokens for e in episodes], float),
+      "thinking_tokens": np.array([e.thinking_tokens for e in episodes], float),
+      "turns": np.array([e.num_turns for e in episodes], float),
+      "tool_errors": np.array([e.tool_errors for e in episodes], float),
+      "truncated": np.array([e.end == "length" for e in episodes], float),
+      "forced_think_end": (parts["budget"] < 0).astype(float), "entropy": per_ep_entropy,
+    }
+    out = {name: float(np.mean(v)) for name, v in values.items()}
+    for name, v in values.items():
+      for d, m in batch_lib.domain_means(v, domains).items():
+        out[f"{name}/{d}"] = m
+    return out
+
+  # ---- held-out evaluation --------------------------------------------------------
+  def evaluate(self, step: int) -> dict[str, float]:
+    """Greedy held-out success per domain and tier through the harness (records in <workdir>/eval)."""
+    from rl.eval import harness, report
+    from rl.tasks import generators
+
+    rl = self.rl
+    tasks = []
+    for source, level in sorted(self.sampler.levels.items()):
+      tasks += generators.generate(source, split="heldout", difficulty=level, n=int(rl.eval_n))
+    if not tasks or jax.process_index() != 0:
+      return {}
+    tiers = [None if t == "off" else t for t in parse_tiers(rl.eval_tiers)]
+    sampling = Sampling(temperature=0.0, seed=int(rl.seed),
+                        max_tokens_per_turn=int(self.config.env.max_tokens_per_turn))
+    out_dir = epath.Path(self.workdir) / "eval" / f"step_{step}"
+    records = harness.evaluate(tasks, self.policy, self.executor, tiers=tiers, sampling=sampling,
+                               concurrency=self.engine.slots, results=str(out_dir / "results.jsonl"),
+                               config=self.loop_config, progress=False)
+    rows = report.aggregate(records)
+    (out_dir / "table.md").write_text(report.markdown(rows))
+    return {f"eval/{key}/{row['domain']}/{row['tier']}": float(row[key]) for row in rows
+            for key in ("success", "ci_low", "ci_high", "thinking_tokens")}
+
+  # ---- bookkeeping ----------------------------------------------------------------
+  def write_trajectories(self, step: int, episodes: Sequence[Episode]) -> None:
+    n = int(self.rl.trajectories_per_step)
+    if n <= 0 or jax.process_index() != 0:
+      return
+    path = epath.Path(self.workdir) / "trajectories.jsonl"
+    with path.open("a") as f:
+      for ep in episodes[:n]:
+        turns = [{"role": m.role, "thinking": m.thinking,
+                  "text": "".join(getattr(p, "text", "") for p in m.content),
+                  "tool_calls": [{"name": c.name, "arguments": c.arguments} for c in (m.tool_calls or [])]}
+                 for m in ep.messages]
+        f.write(json.dumps({"step": step, "task_id": ep.task_id, "domain": ep.domain, "tier": ep.tier,
+                            "reward": ep.reward, "success": ep.success, "end": ep.end, "messages": turns},
+                           default=str) + "\n")
+
+  def save(self, step: int, force: bool = False) -> bool:
+    return self.ckpt.save(step, model=self.model, optimizer=self.optimizer,
+                          data_state=self.sampler.get_state(),
+                          rng=None, config=self.config.to_dict(), force=force)
+
+
+def run(config, workdir: str) -> dict[str, Any]:
+  """Runs config.rl.steps RL steps (resuming from <workdir>/checkpoints); returns the summary."""
+  r = RLRun(config, workdir)
+  steps = int(config.rl.steps)
+  with mesh_lib.activate(r.mesh):
+    r.build()
+    logger = metrics_lib.MetricsLogger(workdir, total_steps=steps, tensorboard=config.metrics.tensorboard)
+    history = []
+    try:
+      for step in range(r.start, steps):
+        t0 = time.perf_counter()
+        episodes, sources, stats = r.rollout(step)
+        t_roll = time.perf_counter() - t0
+        if not episodes:
+          logging.warning("step %d: every group had equal rewards; no update", step)
+          m = {"groups_dropped": stats["groups_dropped"]}
+        else:
+          m = r.update(episodes)
+          success = batch_lib.domain_means(np.array([e.success for e in episodes], float), sources)
+          r.sampler.adaptive.observe(success)
+        weights = r.sampler.adaptive.weights()
+        m.update({f"mix/{s}": w for s, w in weights.items()})
+        m.update(stats, rollout_s=t_roll, step_s=time.perf_counter() - t0)
+        if not np.isfinite(m.get("loss", 0.0)):
+          raise FloatingPointError(f"RL step {step}: the loss is {m['loss']}; lower "
+                                   "config.train.learning_rate.")
+        every = int(config.rl.eval_every)
+        if every > 0 and ((step + 1) % every == 0 or step == steps - 1):
+          m.update(r.evaluate(step + 1))
+        logger.log(step, m)
+        history.append(m)
+        r.write_trajectories(step, episodes or r.last_played)
+        r.save(step + 1)
+      r.save(steps, force=True)
+      r.ckpt.wait()
+      latest = r.ckpt.latest_step()
+    finally:
+      summary = logger.close()
+      r.close()
+  summary.update({"workdir": str(workdir), "start_step": r.start, "latest_checkpoint": latest,
+                  "history": history})
+  return summary

@@ -1,0 +1,74 @@
+"""The trainer's device programs: score a batch (log-probs, entropy) and one policy update.
+
+The update reuses training/: the optimizer (`make_train_state`: AdamW, clipping, skip of
+non-finite updates), the MoE auxiliary losses with config.train's weights, and the router-bias
+update; only the data term differs (objectives.policy_loss instead of cross-entropy).
+Micro-batches are rows of the batch; with `token_weights` of the whole batch their gradients
+add up to the whole batch's gradient exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from model.moe import find_moe_modules, update_router_biases
+from rl.train import objectives as obj_lib
+from training.train_step import TrainConfig, learning_rate_schedule
+
+SCORE_KEYS = ("inputs", "targets", "positions", "segment_ids")
+
+
+def token_logp(model: nnx.Module, batch: Mapping[str, jax.Array]) -> tuple[jax.Array, jax.Array, dict]:
+  """(log-prob of each target [B, T], entropy of each position's distribution [B, T], model aux)."""
+  logits, aux = model(batch["inputs"], batch["positions"], batch["segment_ids"])
+  logits = logits.astype(jnp.float32)
+  logz = jax.nn.logsumexp(logits, axis=-1)
+  gold = jnp.take_along_axis(logits, batch["targets"][..., None], axis=-1)[..., 0]
+  probs = jnp.exp(logits - logz[..., None])
+  entropy = logz - jnp.sum(probs * logits, axis=-1)
+  return gold - logz, entropy, aux
+
+
+@nnx.jit
+def score(model: nnx.Module, batch: Mapping[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+  """log-probs and entropies under the current weights (no gradient): `logp_old`."""
+  logp, entropy, _ = token_logp(model, {k: batch[k] for k in SCORE_KEYS})
+  return logp, entropy
+
+
+def _loss(model, batch, obj: obj_lib.Objective, tc: TrainConfig, n_micro: int):
+  logp, _, aux = token_logp(model, batch)
+  loss, metrics = obj_lib.policy_loss(logp, batch, obj)
+  aux_loss = (tc.z_loss_weight * aux["z_loss"] + tc.seq_aux_weight * aux["seq_aux_loss"]
+              + tc.indexer_loss_weight * aux["indexer_loss"])
+  metrics = {**metrics, "policy_loss": loss, "z_loss": aux["z_loss"], "indexer_loss": aux["indexer_loss"]}
+  if "load" in aux:
+    metrics["load"] = aux["load"]
+  return loss + aux_loss / n_micro, metrics
+
+
+@nnx.jit(static_argnames=("obj", "tc", "n_micro"))
+def micro_grads(model: nnx.Module, optimizer: nnx.Optimizer, batch: Mapping[str, jax.Array],
+                obj: obj_lib.Objective, tc: TrainConfig, n_micro: int):
+  """(gradients w.r.t. the optimizer's trainable params, metrics) of one micro-batch."""
+  grad_fn = nnx.value_and_grad(_loss, argnums=nnx.DiffState(0, optimizer.wrt), has_aux=True)
+  (loss, metrics), grads = grad_fn(model, batch, obj, tc, n_micro)
+  return grads, {**metrics, "loss": loss}
+
+
+@nnx.jit(static_argnames=("tc",), donate_argnums=(2,))
+def apply_grads(model: nnx.Module, optimizer: nnx.Optimizer, grads, load, tc: TrainConfig) -> dict:
+  """One optimizer update (skipped, weights untouched, when gradients are not finite)."""
+  finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+  metrics = {"grad_norm": optax.tree.norm(grads), "finite": finite,
+             "learning_rate": learning_rate_schedule(tc)(optimizer.step[...])}
+  optimizer.update(model, grads)
+  if load is not None:
+    moe = list(find_moe_modules(model).values())
+    update_router_biases(moe, list(load), jnp.where(finite, tc.router_bias_rate, 0.0))
+  return metrics

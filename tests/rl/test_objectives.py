@@ -1,0 +1,182 @@
+"""rl/train/objectives.py against per-token NumPy references written loop by loop."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rl.train import objectives as obj_lib
+
+B, T = 6, 11
+# Ragged samples: lengths 11, 3, 7, 1, 9, 5; tool-result tokens (mask 0) inside two of them.
+LENGTHS = [11, 3, 7, 1, 9, 5]
+
+
+def _batch(seed=0):
+  rng = np.random.default_rng(seed)
+  mask = np.zeros((B, T), np.float32)
+  for b, n in enumerate(LENGTHS):
+    mask[b, :n] = 1
+  mask[0, 4:6] = 0  # a tool result inside sample 0
+  mask[4, 2] = 0  # a forced token
+  logp_old = -rng.uniform(0.05, 3.0, (B, T)).astype(np.float32)
+  logp = logp_old + rng.normal(0, 0.3, (B, T)).astype(np.float32)
+  logp_rollout = logp_old + rng.normal(0, 0.4, (B, T)).astype(np.float32)
+  logp_ref = logp_old + rng.normal(0, 0.2, (B, T)).astype(np.float32)
+  # Two groups of three; group 1 has a tie (two equal rewards).
+  rewards = np.array([1.0, 0.0, 0.5, 1.0, 1.0, 0.0])
+  groups = np.array([0, 0, 0, 1, 1, 1])
+  arrays = dict(mask=mask, logp_old=logp_old, logp_rollout=logp_rollout, logp_ref=logp_ref)
+  return arrays, logp, rewards, groups
+
+
+def _ref_advantages(rewards, groups, kind, eps=1e-6):
+  out = []
+  for i, r in enumerate(rewards):
+    same = [rewards[j] for j in range(len(rewards)) if groups[j] == groups[i]]
+    mean = sum(same) / len(same)
+    if kind == "loo":
+      others = [rewards[j] for j in range(len(rewards)) if groups[j] == groups[i] and j != i]
+      out.append(r - sum(others) / len(others))
+    elif kind == "group_mean":
+      out.append(r - mean)
+    else:
+      std = math.sqrt(sum((x - mean) ** 2 for x in same) / len(same))
+      out.append((r - mean) / (std + eps))
+  return np.array(out)
+
+
+def _ref_kl_term(logp, batch, o):
+  """The reference-KL loss term, aggregated like the policy term."""
+  mask = batch["mask"]
+  kl = np.zeros((B, T))
+  for b in range(B):
+    for t in range(T):
+      if mask[b, t]:
+        d = float(logp[b, t] - batch["logp_ref"][b, t])
+        kl[b, t] = d if o.kl == "k1" else math.exp(-d) + d - 1
+  if o.aggregation == "token_mean":
+    return kl.sum() / mask.sum()
+  if o.aggregation == "seq_mean":
+    return np.mean([kl[b].sum() / max(mask[b].sum(), 1) for b in range(B)])
+  return kl.sum() / (B * (o.norm_tokens or T))
+
+
+def _ref_loss(logp, batch, adv, o):
+  """The objective, one token at a time."""
+  mask, old, roll = batch["mask"], batch["logp_old"], batch["logp_rollout"]
+  tok_loss = np.zeros((B, T))
+  for b in range(B):
+    n = mask[b].sum()
+    seq_lr = sum(float(logp[b, t] - old[b, t]) for t in range(T) if mask[b, t]) / max(n, 1)
+    for t in range(T):
+      if not mask[b, t]:
+        continue
+      r = math.exp(seq_lr) if o.ratio == "sequence" else math.exp(float(logp[b, t] - old[b, t]))
+      c = min(max(r, 1 - o.eps_low), 1 + o.eps_high)
+      loss = -min(r * adv[b], c * adv[b])
+      if o.tis_cap:
+        loss *= min(math.exp(float(old[b, t] - roll[b, t])), o.tis_cap)
+      tok_loss[b, t] = loss
+  if o.aggregation == "token_mean":
+    total = tok_loss.sum() / mask.sum()
+  elif o.aggregation == "seq_mean":
+    total = np.mean([tok_loss[b].sum() / max(mask[b].sum(), 1) for b in range(B)])
+  else:
+    total = tok_loss.sum() / (B * (o.norm_tokens or T))
+  if o.kl != "none" and o.kl_place == "in_loss":
+    total += o.kl_coef * _ref_kl_term(logp, batch, o)
+  return total
+
+
+@pytest.mark.parametrize("algorithm", obj_lib.ALGORITHMS)
+@pytest.mark.parametrize("kl", ["none", "k1", "k3"])
+def test_loss_matches_per_token_reference(algorithm, kl):
+  batch, logp, rewards, groups = _batch()
+  o = obj_lib.objective(algorithm, kl=kl, kl_coef=0.1 if kl != "none" else 0.0)
+  adv = obj_lib.advantages(rewards, groups, o)
+  np.testing.assert_allclose(adv, _ref_advantages(rewards, groups, o.advantage), rtol=1e-12)
+  jb = {k: jnp.asarray(v) for k, v in batch.items()} | {"advantages": jnp.asarray(adv, jnp.float32)}
+  loss, metrics = obj_lib.policy_loss(jnp.asarray(logp), jb, o)
+  np.testing.assert_allclose(float(loss), _ref_loss(logp, batch, adv, o), rtol=2e-5, atol=1e-7)
+  assert 0 <= float(metrics["clip_frac"]) <= 1 and 0 <= float(metrics["tis_clip_frac"]) <= 1
+  assert float(metrics["rollout_kl"]) > 0 and float(metrics["abs_dlogp"]) > 0
+
+
+@pytest.mark.parametrize("algorithm", obj_lib.ALGORITHMS)
+def test_micro_batches_sum_to_the_whole_batch(algorithm):
+  """With the whole batch's token_weights, the losses of row micro-batches add up to the loss."""
+  batch, logp, rewards, groups = _batch(3)
+  o = obj_lib.objective(algorithm, kl="k3", kl_coef=0.05)
+  adv = obj_lib.advantages(rewards, groups, o)
+  full = {k: jnp.asarray(v) for k, v in batch.items()} | {"advantages": jnp.asarray(adv, jnp.float32)}
+  whole = float(obj_lib.policy_loss(jnp.asarray(logp), full, o)[0])
+  w = obj_lib.token_weights(batch["mask"], o)
+  parts = 0.0
+  for rows in (slice(0, 2), slice(2, 5), slice(5, 6)):
+    micro = {k: v[rows] for k, v in full.items()} | {"weights": jnp.asarray(w[rows])}
+    parts += float(obj_lib.policy_loss(jnp.asarray(logp[rows]), micro, o)[0])
+  np.testing.assert_allclose(parts, whole, rtol=1e-5)
+
+
+def test_presets_and_overrides():
+  assert obj_lib.objective("dapo").eps_high == 0.28 and obj_lib.objective("dapo").dynamic_sampling
+  assert obj_lib.objective("gspo").ratio == "sequence"
+  assert obj_lib.objective("dr_grpo").aggregation == "constant"
+  assert obj_lib.objective("grpo", eps_high=0.3).eps_high == 0.3
+  with pytest.raises(ValueError, match="config.rl.algorithm='ppo'"):
+    obj_lib.objective("ppo")
+  with pytest.raises(ValueError, match=r"unknown objective knob\(s\) \['epsilon'\]"):
+    obj_lib.objective("grpo", epsilon=0.1)
+  with pytest.raises(ValueError, match="config.rl.aggregation='sum'"):
+    obj_lib.objective("grpo", aggregation="sum")
+
+
+@pytest.mark.parametrize("algorithm", obj_lib.ALGORITHMS)
+def test_on_policy_gradient_is_the_plain_policy_gradient(algorithm):
+  """At ratio 1 (logp_old = logp, rollout = old) the clipped loss's gradient is that of
+  -sum(A * logp) aggregated the same way; masked tokens get exactly zero gradient."""
+  batch, logp, rewards, groups = _batch(1)
+  o = obj_lib.objective(algorithm)
+  adv = jnp.asarray(obj_lib.advantages(rewards, groups, o), jnp.float32)
+  lp = jnp.asarray(logp)
+  jb = {"mask": jnp.asarray(batch["mask"]), "logp_old": lp, "logp_rollout": lp, "advantages": adv}
+  g = jax.grad(lambda x: obj_lib.policy_loss(x, jb, o)[0])(lp)
+  mask = jb["mask"]
+  n = jnp.maximum(mask.sum(1, keepdims=True), 1)
+  if o.ratio == "sequence":  # every token carries -A x the sample's mean log-prob
+    plain_loss = lambda x: obj_lib._aggregate(  # noqa: E731
+        jnp.broadcast_to(-adv[:, None] * jnp.sum(x * mask, 1, keepdims=True) / n, x.shape), mask, o)
+  else:
+    plain_loss = lambda x: obj_lib._aggregate(-adv[:, None] * x, mask, o)  # noqa: E731
+  np.testing.assert_allclose(np.asarray(g), np.asarray(jax.grad(plain_loss)(lp)), rtol=1e-5, atol=1e-8)
+  assert np.all(np.asarray(g)[np.asarray(batch["mask"]) == 0] == 0)
+
+
+def test_advantage_ties_and_all_equal_groups():
+  o = obj_lib.objective("grpo")
+  rewards, groups = np.array([1.0, 1.0, 1.0, 0.0, 1.0, 0.0]), np.array([0, 0, 0, 1, 1, 1])
+  adv = obj_lib.advantages(rewards, groups, o)
+  assert np.all(adv[:3] == 0)  # all equal: no signal, no NaN
+  assert adv[4] > 0 > adv[3] and adv[3] == adv[5]
+  np.testing.assert_array_equal(obj_lib.informative_groups(rewards, groups), [0, 0, 0, 1, 1, 1])
+  loo = obj_lib.advantages(np.array([1.0, 0.0, 0.0]), np.zeros(3), obj_lib.objective("rloo"))
+  np.testing.assert_allclose(loo, [1.0, -0.5, -0.5])
+
+
+def test_overlong_penalty_ramp():
+  o = obj_lib.objective("dapo", overlong_buffer=10, overlong_penalty=1.0)
+  pen = obj_lib.overlong_penalty(np.array([50, 90, 95, 100, 120]), 100, o)
+  np.testing.assert_allclose(pen, [0.0, 0.0, -0.5, -1.0, -1.0])
+  assert np.all(obj_lib.overlong_penalty(np.array([100]), 100, obj_lib.objective("grpo")) == 0)
+
+
+def test_kl_in_reward():
+  batch, _, _, _ = _batch(2)
+  o = obj_lib.objective("grpo", kl="k1", kl_coef=0.5, kl_place="in_reward")
+  pen = obj_lib.kl_reward_penalty(batch["logp_rollout"], batch["logp_ref"], batch["mask"], o)
+  want = [0.5 * sum(float(batch["logp_rollout"][b, t] - batch["logp_ref"][b, t])
+                    for t in range(T) if batch["mask"][b, t]) for b in range(B)]
+  np.testing.assert_allclose(pen, want, rtol=1e-6)

@@ -1,0 +1,111 @@
+"""rl/train: episodes -> batch arrays, reward shaping, groups; the task mixture and its state."""
+
+import json
+
+import numpy as np
+import pytest
+
+from rl.agent.episode import Episode, TurnSpan
+from rl.train import batch as batch_lib
+from rl.train import objectives as obj_lib
+from rl.train.mixture import AdaptiveWeights, MixtureSampler, parse_levels, parse_mixture
+
+THINK_END = 99
+
+
+def _episode(task, tier, ids, mask, logprobs, turns, reward=1.0):
+  ep = Episode(task_id=task, domain="math", tier=tier, token_ids=ids, loss_mask=mask, logprobs=logprobs,
+               turns=turns)
+  ep.reward = reward
+  return ep
+
+
+def _two_turn():
+  # prompt [1 2 3], turn 1 generates [4 5 6], tool result [7 8], turn 2 generates [9 THINK_END(forced) 10]
+  ids = [1, 2, 3, 4, 5, 6, 7, 8, 9, THINK_END, 10]
+  mask = [0, 0, 0, 1, 1, 1, 0, 0, 1, 0, 1]
+  lps = [0, 0, 0, -0.1, -0.2, -0.3, 0, 0, -0.4, 0.0, -0.5]
+  turns = [TurnSpan(0, 3, 6, "stop"), TurnSpan(6, 8, 11, "stop")]
+  return _episode("t0", "high", ids, mask, lps, turns)
+
+
+def test_to_batch_shifts_and_masks():
+  ep = _two_turn()
+  short = _episode("t1", "low", [1, 2, 3], [0, 0, 1], [0, 0, -0.7], [TurnSpan(0, 2, 3, "stop")], 0.0)
+  o = obj_lib.objective("dapo")
+  b = batch_lib.to_batch([ep, short], np.array([0.5, -0.5]), o, pad_multiple=8)
+  assert b["inputs"].shape == (2, 16)  # 10 positions padded to a multiple of 8
+  np.testing.assert_array_equal(b["inputs"][0, :10], ep.token_ids[:-1])
+  np.testing.assert_array_equal(b["targets"][0, :10], ep.token_ids[1:])
+  np.testing.assert_array_equal(b["mask"][0, :10], ep.loss_mask[1:])  # tool result and forced token: 0
+  np.testing.assert_allclose(b["logp_rollout"][0, :10], ep.logprobs[1:])
+  np.testing.assert_array_equal(b["segment_ids"][0], [1] * 10 + [0] * 6)
+  np.testing.assert_array_equal(b["positions"][1, :2], [0, 1])
+  assert b["mask"][:, 10:].sum() == 0 and b["mask"][1].sum() == 1
+  np.testing.assert_allclose(b["weights"].sum(), 1.0, rtol=1e-6)  # token_mean: weights sum to one
+  np.testing.assert_array_equal(b["advantages"], [0.5, -0.5])
+
+
+def test_reward_shaping_and_groups():
+  ep = _two_turn()  # the engine forced </think> in turn 2
+  clean = _two_turn()
+  clean.loss_mask = [0, 0, 0, 1, 1, 1, 0, 0, 1, 1, 1]  # the model closed its thinking itself
+  long = _two_turn()
+  long.turns = [TurnSpan(0, 3, 6, "stop"), TurnSpan(6, 8, 11, "length")]
+  o = obj_lib.objective("dapo", overlong_buffer=2, overlong_penalty=1.0)
+  total, parts = batch_lib.shape_rewards([ep, clean, long], o, batch_lib.Shaping(0.25, 4), THINK_END)
+  np.testing.assert_allclose(parts["budget"], [-0.25, 0.0, -0.25])
+  np.testing.assert_allclose(parts["overlong"], [-0.5, -0.5, -0.5])  # 3 of 4 tokens: half the ramp
+  np.testing.assert_allclose(total, parts["correct"] + parts["budget"] + parts["overlong"])
+  eps = [_episode("a", "low", [1], [0], [0], []), _episode("a", "high", [1], [0], [0], []),
+         _episode("b", "low", [1], [0], [0], []), _episode("a", "low", [1], [0], [0], [])]
+  np.testing.assert_array_equal(batch_lib.group_ids(eps), [0, 1, 2, 0])
+
+
+def test_mixture_parsing_errors_name_the_fix():
+  assert parse_mixture("math=1, terminal=2") == {"math": 1.0, "terminal": 2.0}
+  with pytest.raises(ValueError, match="unknown source 'chess'"):
+    parse_mixture("chess=1")
+  with pytest.raises(ValueError, match="is not source=weight"):
+    parse_mixture("math")
+  with pytest.raises(ValueError, match="at least one source a positive weight"):
+    parse_mixture("math=0")
+  assert parse_levels("1,cad=0", ["math", "cad"]) == {"math": 1, "cad": 0}
+  with pytest.raises(ValueError, match="math level 9 is outside 0..4"):
+    parse_levels("9", ["math"])
+
+
+def test_sampler_is_deterministic_and_resumes_exactly():
+  a = MixtureSampler({"math": 1.0, "terminal": 1.0}, {"math": 0, "terminal": 0}, seed=3)
+  first = [(s, t.id) for s, t in a.draw(0, 6)]
+  state = json.loads(json.dumps(a.get_state()))
+  nxt = [(s, t.id) for s, t in a.draw(1, 6)]
+  b = MixtureSampler({"math": 1.0, "terminal": 1.0}, {"math": 0, "terminal": 0}, seed=3)
+  assert [(s, t.id) for s, t in b.draw(0, 6)] == first
+  c = MixtureSampler({"math": 1.0, "terminal": 1.0}, {"math": 0, "terminal": 0}, seed=3)
+  c.set_state(state)
+  assert [(s, t.id) for s, t in c.draw(1, 6)] == nxt
+  assert len({t for _, t in first + nxt}) == 12  # streams never repeat a task
+  with pytest.raises(ValueError, match="same config.rl.mixture"):
+    MixtureSampler({"math": 1.0, "cad": 1.0}, {}, seed=3).set_state(state)
+
+
+def test_file_source(tmp_path):
+  from rl.tasks.generators import math as gen
+  from rl.tasks.schema import write_tasks
+  path = tmp_path / "t.jsonl"
+  write_tasks(gen.generate(split="train", difficulty=0, n=3), path)
+  s = MixtureSampler({f"file:{path}": 1.0}, {}, seed=0)
+  ids = [t.id for _, t in s.draw(0, 7)]
+  assert len(set(ids)) == 7 and all(i.rsplit("#p", 1)[0].startswith("math-train") for i in ids)
+
+
+def test_adaptive_weights_follow_progress_with_a_floor():
+  w = AdaptiveWeights({"math": 1.0, "code": 1.0, "cad": 1.0}, enabled=True, floor=0.1)
+  assert w.weights() == pytest.approx({"math": 1 / 3, "code": 1 / 3, "cad": 1 / 3})
+  for step in range(20):  # math improves, code is flat, cad is flat at zero
+    w.observe({"math": min(1.0, 0.05 * step), "code": 0.5, "cad": 0.0})
+  ws = w.weights()
+  assert ws["math"] > 0.7 and ws["code"] > 0 and ws["cad"] > 0
+  assert ws["code"] == pytest.approx(ws["cad"]) and sum(ws.values()) == pytest.approx(1.0)
+  assert not AdaptiveWeights({"math": 1.0}, enabled=False).fast
