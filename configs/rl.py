@@ -38,6 +38,10 @@ def _rl(algorithm: str) -> ml_collections.ConfigDict:
   r.updates_per_step = 1  # passes over each step's batch (1 = on-policy)
   r.micro_batch = 8  # rows per gradient micro-batch
   r.pad_multiple = 128  # rows are padded to a multiple of this (fewer compiled shapes)
+  # R3 (routing replay): the trainer routes each MoE token to the experts the engine chose, so
+  # rollout and training policies differ only by numerics; routing is recorded either way and
+  # `routing_mismatch` reports how often the trainer's own top-k differs.
+  r.routing_replay = False
   r.budget_penalty = 0.2  # reward lost when the engine forces the end of thinking
   r.trajectories_per_step = 2  # whole episodes written to <workdir>/trajectories.jsonl
   r.eval_every = 0  # held-out evaluation every N steps (and at the end); 0 = off

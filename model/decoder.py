@@ -55,25 +55,27 @@ class Block(nnx.Module):
     else:
       self.ffn = MLP(cfg.d_model, cfg.dense_ffn_dim, rngs=rngs, param_dtype=pdt, dtype=cfg.jnp_dtype)
 
-  def _ffn(self, x):
+  def _ffn(self, x, replay=None):
     if self.ffn_kind == "moe":
-      y, aux = self.ffn(self.ffn_norm(x))
+      y, aux = self.ffn(self.ffn_norm(x), replay)
       return x + y, aux
     return x + self.ffn(self.ffn_norm(x)), {}
 
-  def __call__(self, x, positions, segment_ids):
+  def __call__(self, x, positions, segment_ids, replay=None):
+    """replay: optional MoE routing replay (ids [b, t, k], use [b, t]); see MoE.route."""
     h, attn_aux = self.attn(self.attn_norm(x), positions, segment_ids)
-    x, ffn_aux = self._ffn(x + h)
+    x, ffn_aux = self._ffn(x + h, replay)
     return x, {**attn_aux, **ffn_aux}
 
   def extend(self, x, valid, cache):
+    """Generation: (x, cache, the MoE layer's routed expert ids [b, t, k] or None)."""
     h, cache = self.attn.extend(self.attn_norm(x), valid, cache)
-    x, _ = self._ffn(x + h)
-    return x, cache
+    x, aux = self._ffn(x + h)
+    return x, cache, aux.get("routed")
 
 
-def _block_forward(block: Block, x, positions, segment_ids):
-  return block(x, positions, segment_ids)
+def _block_forward(block: Block, x, positions, segment_ids, replay):
+  return block(x, positions, segment_ids, replay)
 
 
 class Horizon(nnx.Module):
@@ -149,7 +151,8 @@ class Horizon(nnx.Module):
 
   # ---- training forward -----------------------------------------------------
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
-               segment_ids: jax.Array | None = None, images: jax.Array | None = None
+               segment_ids: jax.Array | None = None, images: jax.Array | None = None,
+               routing: jax.Array | None = None, routing_mask: jax.Array | None = None
                ) -> tuple[jax.Array, dict[str, Any]]:
     """tokens [b, t] -> (logits f32 [b, t, vocab], aux).
 
@@ -159,7 +162,13 @@ class Horizon(nnx.Module):
     aux: indexer_loss (mean over DSA layers), z_loss and seq_aux_loss (mean
     over MoE layers), load [num_moe_layers, num_experts] token counts,
     dropped [num_moe_layers] assignments dropped by a capacity-limited
-    expert-parallel exchange (0 on one device).
+    expert-parallel exchange (0 on one device), routed int32 [num_moe_layers,
+    b, t, k] the experts each token went to.
+
+    routing [b, t, num_moe_layers, k] / routing_mask bool [b, t]: routing
+    replay (R3, for RL): where the mask is set, each MoE layer sends the token
+    to the recorded experts (e.g. the ones the inference engine chose) instead
+    of its own top-k; the combine weights stay the router's (differentiable).
     Under an active mesh (`sharding.mesh.activate`) activations are
     constrained by logical names and MoE layers run expert-parallel.
     """
@@ -175,8 +184,19 @@ class Horizon(nnx.Module):
     x = constrain(self.embed_inputs(tokens, images), _ACT)
     fwd = maybe_remat(_block_forward, self.cfg.remat)
     auxes = []
+    n_moe = sum(kind == "moe" for kind in self.cfg.ffn_kinds)
+    if routing is not None:
+      want = (b, t, n_moe, self.cfg.experts_per_token)
+      if routing.shape != want or routing_mask is None or routing_mask.shape != (b, t):
+        raise ValueError(f"routing: expected ids {want} (batch, tokens, MoE layers, experts_per_token) "
+                         f"and routing_mask [{b}, {t}]; got {routing.shape} and "
+                         f"{None if routing_mask is None else routing_mask.shape}.")
+    j = 0
     for block in self.blocks:
-      x, aux = fwd(block, x, positions, segment_ids)
+      replay = None
+      if routing is not None and block.ffn_kind == "moe":
+        replay, j = (routing[:, :, j], routing_mask.astype(bool)), j + 1
+      x, aux = fwd(block, x, positions, segment_ids, replay)
       x = constrain(x, _ACT)
       auxes.append(aux)
     return constrain(self.logits(x), ("batch", "length", "vocab")), _collect_aux(auxes)
@@ -190,8 +210,8 @@ class Horizon(nnx.Module):
     return [blk.attn.init_cache(batch, max_len, self.cfg.jnp_dtype) for blk in self.blocks]
 
   def prefill(self, tokens: jax.Array, lengths: jax.Array, cache: list[Any],
-              images: jax.Array | None = None, image_embeds: jax.Array | None = None
-              ) -> tuple[jax.Array, list[Any]]:
+              images: jax.Array | None = None, image_embeds: jax.Array | None = None,
+              return_routing: bool = False) -> tuple[jax.Array, list[Any]]:
     """Appends right-padded prompts to the cache.
 
     tokens [b, t]; lengths [b]: how many of each row's tokens are real (the
@@ -200,16 +220,23 @@ class Horizon(nnx.Module):
     Calling it again continues from the cache (chunked prefill); with images,
     pass each chunk `image_embeds` holding the patches of its own
     placeholders (see `embed_inputs`), since placeholders are numbered per call.
+    With return_routing, also returns the routed expert ids int32 [b, t,
+    num_moe_layers, k] (None for a model without MoE layers), as RL's routing
+    replay records them.
     """
     self._check_tokens(tokens)
     if lengths.shape != tokens.shape[:1]:
       raise ValueError(f"lengths: expected shape {tokens.shape[:1]}, got {lengths.shape}.")
     valid = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
     x = self.embed_inputs(tokens, images, image_embeds)
-    new_cache = []
+    new_cache, routed = [], []
     for block, c in zip(self.blocks, cache, strict=True):
-      x, c = block.extend(x, valid, c)
+      x, c, r = block.extend(x, valid, c)
       new_cache.append(c)
+      if r is not None:
+        routed.append(r)
+    if return_routing:
+      return self.logits(x), new_cache, (jnp.stack(routed, axis=2) if routed else None)
     return self.logits(x), new_cache
 
   def decode_step(self, tokens: jax.Array, cache: list[Any]) -> tuple[jax.Array, list[Any]]:
@@ -242,6 +269,7 @@ def _collect_aux(auxes: list[dict[str, Any]]) -> dict[str, Any]:
     out["dropped"] = jnp.stack([a["dropped"] for a in moe])
     out["z_loss"] = jnp.mean(jnp.stack([a["z_loss"] for a in moe]))
     out["seq_aux_loss"] = jnp.mean(jnp.stack([a["seq_aux_loss"] for a in moe]))
+    out["routed"] = jnp.stack([a["routed"] for a in moe])
   else:
     out["z_loss"] = out["seq_aux_loss"] = jnp.zeros((), jnp.float32)
   return out

@@ -74,11 +74,15 @@ class MoE(nnx.Module):
     self.shared = (MLP(d, cfg.num_shared_experts * f, rngs=rngs, param_dtype=pd, dtype=cfg.jnp_dtype)
                    if cfg.num_shared_experts > 0 else None)
 
-  def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  def route(self, x: jax.Array, replay: tuple[jax.Array, jax.Array] | None = None
+            ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Router forward.
 
     Args:
       x: [b, t, d].
+      replay: optional (ids int32 [b, t, k], use bool [b, t]): routing replay (R3). Where `use`
+        is set the token goes to the given experts instead of its own top-k; the combine
+        weights are still the current router's scores at those experts (differentiable).
 
     Returns:
       (logits [b, t, e] f32, scores [b, t, e] f32, idx [b, t, k] int32,
@@ -89,26 +93,35 @@ class MoE(nnx.Module):
     scores = router_scores(logits, cfg.router_score)
     idx = select_experts(scores, self.router_bias[...], cfg.experts_per_token, cfg.router_groups,
                          cfg.router_topk_groups)
+    if replay is not None:
+      ids, use = replay
+      if ids.shape != idx.shape or use.shape != idx.shape[:-1]:
+        raise ValueError(f"MoE routing replay: ids {ids.shape} / use {use.shape} must be {idx.shape} / "
+                         f"{idx.shape[:-1]} (batch, tokens, experts_per_token).")
+      idx = jnp.where(use[..., None], ids.astype(idx.dtype), idx)
     weights = combine_weights(scores, idx, cfg.norm_topk_prob, cfg.routed_scaling)
     return logits, scores, idx, weights
 
-  def __call__(self, x: jax.Array) -> tuple[jax.Array, dict]:
+  def __call__(self, x: jax.Array, replay: tuple[jax.Array, jax.Array] | None = None
+               ) -> tuple[jax.Array, dict]:
     """MoE feed-forward.
 
     Args:
       x: [b, t, d] activations.
+      replay: optional routing replay (see `route`).
 
     Returns:
       y [b, t, d] in cfg.dtype; aux = {'load': f32 [e] token-assignments per
       expert, 'z_loss': f32 scalar, 'seq_aux_loss': f32 scalar, 'dropped': f32
-      scalar, assignments dropped by a capacity-limited expert-parallel exchange}.
+      scalar, assignments dropped by a capacity-limited expert-parallel exchange,
+      'routed': int32 [b, t, k] the experts each token went to}.
     """
     cfg = self.cfg
     if x.ndim != 3 or x.shape[-1] != cfg.d_model:
       raise ValueError(f"MoE: x must be [batch, seq, d_model={cfg.d_model}]; got shape {x.shape}.")
     b, t, d = x.shape
     k = cfg.experts_per_token
-    logits, scores, idx, weights = self.route(x)
+    logits, scores, idx, weights = self.route(x, replay)
     y, dropped = self._experts(x.reshape(b * t, d), idx.reshape(b * t, k), weights.reshape(b * t, k))
     y = y.reshape(b, t, d)
     if self.shared is not None:
@@ -118,6 +131,7 @@ class MoE(nnx.Module):
         "z_loss": router_z_loss(logits),
         "seq_aux_loss": sequence_aux_loss(scores, idx),
         "dropped": dropped,
+        "routed": idx,
     }
     return y, aux
 

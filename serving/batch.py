@@ -57,6 +57,7 @@ class Slot:
   generated: list[int] = dataclasses.field(default_factory=list)
   pending: int | None = None  # the last sampled token, fed by the next decode step
   last_time: float = 0.0
+  routing: list[np.ndarray] | None = None  # record_routing: int32 [n, layers, k] per fed chunk
 
   @property
   def params(self) -> SamplingParams:
@@ -71,8 +72,10 @@ def compile_programs(graphdef: nnx.GraphDef) -> dict[str, Callable]:
   """The engine's jitted programs (pure; the model enters as graphdef + state).
 
   prefill(state, cache, row, tokens [1, C], length [1], image_embeds [1, C, d]) -> (last logits [V],
-  cache): one chunk of one row; decode(state, cache, tokens [S], valid bool [S]) -> (logits [S, V],
-  cache); reset(cache, rows bool [S]) zeroes rows; encode(state, images [1, H, W, C]) -> patches;
+  cache, routed [C, layers, k]): one chunk of one row; decode(state, cache, tokens [S], valid bool
+  [S]) -> (logits [S, V], cache, routed [S, layers, k]); routed: the MoE experts of each fed token
+  (None without MoE layers); reset(cache, rows bool [S]) zeroes rows; encode(state, images
+  [1, H, W, C]) -> patches;
   sample: serving.sampling.sample_rows. The decode state (prefill/decode argument 1, reset
   argument 0) is donated.
   """
@@ -83,16 +86,18 @@ def compile_programs(graphdef: nnx.GraphDef) -> dict[str, Callable]:
     # not S chunks, and has one shape whatever else runs.
     model = nnx.merge(graphdef, state)
     sub = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, row, 1, axis=0), cache)
-    logits, sub = model.prefill(tokens, length, sub, image_embeds=image_embeds)
+    logits, sub, routed = model.prefill(tokens, length, sub, image_embeds=image_embeds,
+                                        return_routing=True)
     cache = jax.tree.map(lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b, row, axis=0), cache, sub)
-    return logits[0, jnp.maximum(length[0] - 1, 0)], cache
+    return logits[0, jnp.maximum(length[0] - 1, 0)], cache, (None if routed is None else routed[0])
 
   def decode(state, cache, tokens, valid):
     # decode_step's maths (a one-token prefill) with a valid mask instead of all-ones, so rows
     # that are idle or still prefilling are left untouched.
     model = nnx.merge(graphdef, state)
-    logits, cache = model.prefill(tokens[:, None], valid.astype(jnp.int32), cache)
-    return logits[:, 0], cache
+    logits, cache, routed = model.prefill(tokens[:, None], valid.astype(jnp.int32), cache,
+                                          return_routing=True)
+    return logits[:, 0], cache, (None if routed is None else routed[:, 0])
 
   def encode(state, images):
     return nnx.merge(graphdef, state).encode_images(images)

@@ -285,6 +285,8 @@ class Engine:
       seed = req.params.seed if req.params.seed is not None else int(self._rng.integers(0, 2**63))
       slot = Slot(handle, np.asarray(req.prompt_ids, np.int32),
                    frozenset(req.params.stop_token_ids or self.default_stop_ids), seed % 2**64)
+      if req.record_routing:
+        slot.routing = []
       try:
         slot.patches = self._encode_images(req.images)
       except Exception:
@@ -325,8 +327,11 @@ class Engine:
         patches[0, :n_img] = s.patches[s.images_fed:s.images_fed + n_img]
         s.images_fed += n_img
         embeds = jnp.asarray(patches, self.cfg.jnp_dtype)
-      logits, self._cache = self._fns["prefill"](self._state, self._cache, np.int32(i), jnp.asarray(tokens),
-                                                 jnp.asarray([len(chunk)], np.int32), embeds)
+      logits, self._cache, routed = self._fns["prefill"](
+          self._state, self._cache, np.int32(i), jnp.asarray(tokens), jnp.asarray([len(chunk)], np.int32),
+          embeds)
+      if s.routing is not None and routed is not None:
+        s.routing.append(np.asarray(routed[:len(chunk)]))
       s.fed += len(chunk)
       s.cache_len += len(chunk)
       done[i] = s.fed == len(s.prompt)
@@ -350,8 +355,13 @@ class Engine:
         raise AssertionError(f"slot {i} would exceed max_context={self.max_context}.")
       s.cache_len += 1
       s.pending = None
-    logits, self._cache = self._fns["decode"](self._state, self._cache, jnp.asarray(tokens),
-                                              jnp.asarray(valid))
+    logits, self._cache, routed = self._fns["decode"](self._state, self._cache, jnp.asarray(tokens),
+                                                      jnp.asarray(valid))
+    recording = [i for i in np.flatnonzero(valid) if self._rows[i].routing is not None]
+    if recording and routed is not None:
+      host = np.asarray(routed)
+      for i in recording:
+        self._rows[i].routing.append(host[i:i + 1])
     return logits, valid
 
   # ---- sampling and delivery ------------------------------------------------------
@@ -416,10 +426,13 @@ class Engine:
     """Ends row i's request with `reason` and frees the slot (its row is zeroed on reuse)."""
     s = self._rows[i]
     self._rows[i] = None
-    self._finish_handle(s.handle, reason, len(s.generated), token_ids, deltas, logprobs)
+    routing = None
+    if s.routing is not None and s.routing:
+      routing = np.concatenate(s.routing).astype(np.int32)
+    self._finish_handle(s.handle, reason, len(s.generated), token_ids, deltas, logprobs, routing)
 
   def _finish_handle(self, handle: Handle, reason: str, n_generated: int, token_ids=(), deltas=(),
-                     logprobs=()) -> None:
+                     logprobs=(), routing: np.ndarray | None = None) -> None:
     proc = handle.request.processor
     tail: list[Delta] = []
     thinking = 0
@@ -432,7 +445,7 @@ class Engine:
     usage = Usage(len(handle.request.prompt_ids), n_generated, thinking)
     self.metrics.count_request(reason)
     handle._deliver(Event(list(token_ids), list(deltas) + tail, reason, usage, time.time(),
-                          list(logprobs)))
+                          list(logprobs), routing))
 
   def _fail_all(self) -> None:
     for i, s in enumerate(self._rows):

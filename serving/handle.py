@@ -44,11 +44,14 @@ class Request:
 
   images: float32 [m, H, W, C] in [0, 1]; the prompt must hold exactly
   m * num_patches image placeholder ids (the chat renderer writes them).
+  record_routing: return, on the last event, the MoE experts every fed token
+  (prompt and generated) was routed to (RL's routing replay).
   """
   prompt_ids: list[int]
   params: SamplingParams = dataclasses.field(default_factory=SamplingParams)
   images: np.ndarray | None = None
   processor: TokenProcessor | None = None
+  record_routing: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +62,9 @@ class Event:
   processor's output for them; finish_reason and usage are set on the last
   event only. time: wall-clock seconds (time.time()). logprobs: per token,
   log-softmax of the model's raw logits (temperature 1, no filters).
+  routing: on the last event of a `record_routing` request, int32 [n_fed,
+  num_moe_layers, k]: the experts of every token fed to the model, in order
+  (the prompt, then each generated token but the last).
   """
   token_ids: list[int]
   deltas: list[Delta]
@@ -66,6 +72,7 @@ class Event:
   usage: Usage | None
   time: float
   logprobs: list[float] = dataclasses.field(default_factory=list)
+  routing: np.ndarray | None = None
 
 
 class Handle:

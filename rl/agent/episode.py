@@ -38,6 +38,9 @@ class Episode:
     loss_mask: per token, 1 for tokens the model sampled, 0 for the prompt, tool results,
       generation prompts and tokens the engine forced (e.g. <|/think|> at the budget).
     turns: the span of every assistant turn in `token_ids`.
+    routing: with an engine policy that records routing, int32 [len(token_ids), MoE layers, k]:
+      the experts each token was routed to when the engine first fed it (-1 where never fed,
+      e.g. the last token); None otherwise.
     messages: the conversation as played (system, user, assistant, tool, ...).
     reward, success, grade: the grader's verdict on the end state.
     thinking_tokens, generated_tokens: totals over turns (from usage for HTTP policies).
@@ -54,6 +57,7 @@ class Episode:
   logprobs: list[float] = dataclasses.field(default_factory=list)
   loss_mask: list[int] = dataclasses.field(default_factory=list)
   turns: list[TurnSpan] = dataclasses.field(default_factory=list)
+  routing: Any = None
   messages: list[Message] = dataclasses.field(default_factory=list)
   reward: float = 0.0
   success: bool = False

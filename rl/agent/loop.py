@@ -15,6 +15,8 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from rl.agent.episode import Episode, TurnSpan
 from rl.agent.executor import Executor
 from rl.agent.policy import Policy, Sampling
@@ -94,6 +96,18 @@ async def _play(task: Task, session, env, messages: list[Message], ep: Episode, 
       return
 
 
+def _routing_array(rows, n: int):
+  """Per-position routing rows (None = never fed) -> int32 [n, layers, k] with -1 gaps, or None."""
+  known = [r for r in rows or () if r is not None]
+  if not known:
+    return None
+  out = np.full((n,) + known[0].shape, -1, np.int32)
+  for p, r in enumerate(rows[:n]):
+    if r is not None:
+      out[p] = r
+  return out
+
+
 async def run_episode(
   task: Task,
   policy: Policy,
@@ -121,6 +135,7 @@ async def run_episode(
     ep.reward, ep.success, ep.grade = float(grade.reward), bool(grade.success), dict(grade.details)
     if session.token_level:
       ep.token_ids, ep.logprobs, ep.loss_mask = list(session.ids), list(session.logprobs), list(session.mask)
+      ep.routing = _routing_array(getattr(session, "routing", None), len(ep.token_ids))
   finally:
     if session is not None:
       session.close()

@@ -118,9 +118,11 @@ class EnginePolicy(Policy):
     thinking_budgets: tier -> thinking tokens (config.serving.thinking_budgets).
   """
 
-  def __init__(self, engine: Engine, renderer: ChatRenderer, thinking_budgets: Mapping[str, int]):
+  def __init__(self, engine: Engine, renderer: ChatRenderer, thinking_budgets: Mapping[str, int],
+               record_routing: bool = False):
     self.engine, self.renderer = engine, renderer
     self.budgets = dict(thinking_budgets)
+    self.record_routing = record_routing
     self.end_of_turn = engine.tokenizer.special_id("end_of_turn")
 
   def session(self, task, first, tools, tier, sampling) -> "EngineSession":
@@ -149,6 +151,9 @@ class EngineSession(Session):
     self.ids: list[int] = list(rendered.ids)
     self.logprobs: list[float] = [0.0] * len(self.ids)
     self.mask: list[int] = [0] * len(self.ids)
+    # record_routing: each position's MoE experts [layers, k] from the request that first fed it
+    # (what a prefix-cached engine would reuse); None until some request has fed it.
+    self.routing: list[np.ndarray | None] = []
 
   def _render(self, messages, *, add_generation_prompt: bool):
     return self.policy.renderer.render(
@@ -184,15 +189,16 @@ class EngineSession(Session):
     )
     pixels = np.stack([np.asarray(im, np.float32) for im in self.images]) if self.images else None
     handle = policy.engine.submit(
-      Request(prompt_ids=list(self.ids), params=params, images=pixels, processor=processor),
+      Request(prompt_ids=list(self.ids), params=params, images=pixels, processor=processor,
+              record_routing=policy.record_routing),
       loop=asyncio.get_running_loop(),
     )
-    token_ids, logprobs, reason, usage = [], [], "error", None
+    token_ids, logprobs, reason, usage, routing = [], [], "error", None, None
     async for ev in handle.aevents():
       token_ids += ev.token_ids
       logprobs += ev.logprobs or [0.0] * len(ev.token_ids)
       if ev.finish_reason is not None:
-        reason, usage = ev.finish_reason, ev.usage
+        reason, usage, routing = ev.finish_reason, ev.usage, ev.routing
     inner = processor.inner
     forced = processor.forced + [False] * (len(token_ids) - len(processor.forced))  # the stop token
     message = Message(
@@ -204,6 +210,11 @@ class EngineSession(Session):
     self.ids += token_ids
     self.logprobs += logprobs
     self.mask += [0 if f else 1 for f in forced]
+    if routing is not None:
+      self.routing += [None] * (len(self.ids) - len(self.routing))
+      for p in range(min(len(routing), len(self.ids))):
+        if self.routing[p] is None:
+          self.routing[p] = routing[p]
     return Completion(
       message,
       inner.finish_reason(reason),

@@ -11,7 +11,8 @@ the same budget, so a short `low` answer is never compared with a long `max` one
 Token arrays (`to_batch`), one row per episode (its whole multi-turn stream), right-padded to
 a multiple of `pad_multiple` so few shapes compile: inputs = ids[:-1], targets = ids[1:],
 mask = loss_mask[1:] (tool results, prompts and forced tokens are 0), logp_rollout =
-the engine's log-probabilities of the targets.
+the engine's log-probabilities of the targets; with recorded routing, routing [B, T, layers, k]
+and routing_mask [B, T] (positions the engine fed) for routing replay (R3).
 """
 
 from __future__ import annotations
@@ -80,6 +81,15 @@ def to_batch(episodes: Sequence[Episode], advantages: np.ndarray, obj: obj_lib.O
     out["segment_ids"][i, :n] = 1
     out["mask"][i, :n] = np.asarray(ep.loss_mask[1:], np.float32)
     out["logp_rollout"][i, :n] = np.asarray(ep.logprobs[1:], np.float32)
+  if episodes and all(ep.routing is not None for ep in episodes):
+    # The engine's routing of each input position (-1 = never fed: replay leaves it to the router).
+    layers_k = episodes[0].routing.shape[1:]
+    out["routing"] = np.full((b, t) + layers_k, -1, np.int32)
+    for i, ep in enumerate(episodes):
+      n = min(len(ep.token_ids) - 1, len(ep.routing))
+      if n > 0:
+        out["routing"][i, :n] = ep.routing[:n]
+    out["routing_mask"] = (out["routing"][:, :, 0, 0] >= 0).astype(np.int32)
   out["advantages"] = np.asarray(advantages, np.float32)
   out["weights"] = obj_lib.token_weights(out["mask"], obj)
   return out

@@ -117,7 +117,9 @@ class RLRun:
     self.engine = Engine(self.model, self.tokenizer, slots=s.slots, max_context=s.max_context,
                          prefill_chunk=s.prefill_chunk, seed=s.seed).start()
     renderer = ChatRenderer(self.tokenizer, cfg.vision.num_patches if cfg.vision.enabled else 0)
-    self.policy = EnginePolicy(self.engine, renderer, dict(s.thinking_budgets))
+    # Routing is always recorded (the mismatch metric); config.rl.routing_replay replays it.
+    self.moe = any(k == "moe" for k in cfg.ffn_kinds)
+    self.policy = EnginePolicy(self.engine, renderer, dict(s.thinking_budgets), record_routing=self.moe)
     self.ctx = EnvContext.from_config(config.env)
     inner = make_executor(config.env.executor, self.ctx, workers=int(config.env.workers))
     self.executor = TimedExecutor(inner)
@@ -190,9 +192,12 @@ class RLRun:
     logp_old = np.zeros_like(arrays["mask"])
     entropy = np.zeros_like(arrays["mask"])
     t0 = time.perf_counter()
+    replay = bool(self.rl.routing_replay) and "routing" in arrays
+    mismatch = []
     for rows in chunks:
-      lp, ent = update_lib.score(self.model, self._micro(arrays, rows))
+      lp, ent, mis = update_lib.score(self.model, self._micro(arrays, rows), replay)
       logp_old[rows], entropy[rows] = np.asarray(lp), np.asarray(ent)
+      mismatch.append(float(mis))
     arrays["logp_old"] = logp_old
     t_score = time.perf_counter() - t0
     out: dict[str, Any] = {}
@@ -202,7 +207,7 @@ class RLRun:
       grads, sums = None, {}
       for rows in chunks:
         g, m = update_lib.micro_grads(self.model, self.optimizer, self._micro(arrays, rows), self.obj,
-                                      self.tc, len(chunks))
+                                      self.tc, len(chunks), replay)
         grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
         # loss terms add up over micro-batches (whole-batch weights); the rest are token averages
         share = arrays["mask"][rows].sum() / max(tokens, 1.0)
@@ -217,6 +222,8 @@ class RLRun:
     self.engine.update_weights(self.model)
     t_sync = time.perf_counter() - t0
     out.update(self._domain_metrics(episodes, rewards, parts, arrays, entropy))
+    if "routing" in arrays:  # experts chosen differently by trainer and engine (before the update)
+      out["routing_mismatch"] = float(np.mean(mismatch))
     out.update(score_s=t_score, update_s=t_update, sync_s=t_sync,
                tokens=float(arrays["mask"].sum()), batch_rows=float(b),
                batch_len=float(arrays["mask"].shape[1]))

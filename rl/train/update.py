@@ -20,12 +20,16 @@ from model.moe import find_moe_modules, update_router_biases
 from rl.train import objectives as obj_lib
 from training.train_step import TrainConfig, learning_rate_schedule
 
-SCORE_KEYS = ("inputs", "targets", "positions", "segment_ids")
 
+def token_logp(model: nnx.Module, batch: Mapping[str, jax.Array], replay: bool = False
+               ) -> tuple[jax.Array, jax.Array, dict]:
+  """(log-prob of each target [B, T], entropy of each position's distribution [B, T], model aux).
 
-def token_logp(model: nnx.Module, batch: Mapping[str, jax.Array]) -> tuple[jax.Array, jax.Array, dict]:
-  """(log-prob of each target [B, T], entropy of each position's distribution [B, T], model aux)."""
-  logits, aux = model(batch["inputs"], batch["positions"], batch["segment_ids"])
+  replay: route MoE tokens to the experts the engine recorded (batch routing / routing_mask).
+  """
+  routing = (batch["routing"], batch["routing_mask"]) if replay else (None, None)
+  logits, aux = model(batch["inputs"], batch["positions"], batch["segment_ids"], routing=routing[0],
+                      routing_mask=routing[1])
   logits = logits.astype(jnp.float32)
   logz = jax.nn.logsumexp(logits, axis=-1)
   gold = jnp.take_along_axis(logits, batch["targets"][..., None], axis=-1)[..., 0]
@@ -34,15 +38,28 @@ def token_logp(model: nnx.Module, batch: Mapping[str, jax.Array]) -> tuple[jax.A
   return gold - logz, entropy, aux
 
 
-@nnx.jit
-def score(model: nnx.Module, batch: Mapping[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
-  """log-probs and entropies under the current weights (no gradient): `logp_old`."""
-  logp, entropy, _ = token_logp(model, {k: batch[k] for k in SCORE_KEYS})
-  return logp, entropy
+def routing_mismatch(routed: jax.Array, batch: Mapping[str, jax.Array]) -> jax.Array:
+  """Fraction of (recorded token, MoE layer) pairs whose expert set differs between the trainer's
+  routing (aux['routed'] [layers, B, T, k]) and the engine's (batch['routing'] [B, T, layers, k])."""
+  mine = jnp.sort(jnp.moveaxis(routed, 0, 2), axis=-1)
+  theirs = jnp.sort(batch["routing"], axis=-1)
+  differs = jnp.any(mine != theirs, axis=-1)  # [B, T, layers]
+  known = (batch["routing_mask"] > 0)[..., None] & (batch["segment_ids"] > 0)[..., None]
+  return jnp.sum(differs & known) / jnp.maximum(jnp.sum(jnp.broadcast_to(known, differs.shape)), 1)
 
 
-def _loss(model, batch, obj: obj_lib.Objective, tc: TrainConfig, n_micro: int):
-  logp, _, aux = token_logp(model, batch)
+@nnx.jit(static_argnames=("replay",))
+def score(model: nnx.Module, batch: Mapping[str, jax.Array], replay: bool = False
+          ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """log-probs, entropies (no gradient) and the routing mismatch (-1 without recorded routing)."""
+  logp, entropy, aux = token_logp(model, batch, replay)
+  mismatch = (routing_mismatch(aux["routed"], batch) if "routing" in batch and "routed" in aux
+              else jnp.asarray(-1.0))
+  return logp, entropy, mismatch
+
+
+def _loss(model, batch, obj: obj_lib.Objective, tc: TrainConfig, n_micro: int, replay: bool):
+  logp, _, aux = token_logp(model, batch, replay)
   loss, metrics = obj_lib.policy_loss(logp, batch, obj)
   aux_loss = (tc.z_loss_weight * aux["z_loss"] + tc.seq_aux_weight * aux["seq_aux_loss"]
               + tc.indexer_loss_weight * aux["indexer_loss"])
@@ -52,12 +69,12 @@ def _loss(model, batch, obj: obj_lib.Objective, tc: TrainConfig, n_micro: int):
   return loss + aux_loss / n_micro, metrics
 
 
-@nnx.jit(static_argnames=("obj", "tc", "n_micro"))
+@nnx.jit(static_argnames=("obj", "tc", "n_micro", "replay"))
 def micro_grads(model: nnx.Module, optimizer: nnx.Optimizer, batch: Mapping[str, jax.Array],
-                obj: obj_lib.Objective, tc: TrainConfig, n_micro: int):
+                obj: obj_lib.Objective, tc: TrainConfig, n_micro: int, replay: bool = False):
   """(gradients w.r.t. the optimizer's trainable params, metrics) of one micro-batch."""
   grad_fn = nnx.value_and_grad(_loss, argnums=nnx.DiffState(0, optimizer.wrt), has_aux=True)
-  (loss, metrics), grads = grad_fn(model, batch, obj, tc, n_micro)
+  (loss, metrics), grads = grad_fn(model, batch, obj, tc, n_micro, replay)
   return grads, {**metrics, "loss": loss}
 
 
