@@ -71,5 +71,7 @@ def get_config(arg: str = "grpo") -> ml_collections.ConfigDict:
     config.rl.update(steps=3, prompts_per_step=2, samples_per_prompt=4, mixture="math=1",
                      micro_batch=4, pad_multiple=64, eval_n=4)
     config.train.update(learning_rate=1e-3)
+    if algorithm == "dapo":
+      config.rl.overlong_buffer = 12  # of tiny's 48 tokens per turn
     config.checkpoint.every = 1
   return config

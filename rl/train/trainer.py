@@ -92,6 +92,10 @@ class RLRun:
                                   floor=float(config.rl.adaptive_floor))
     self.shaping = batch_lib.Shaping(budget_penalty=float(config.rl.budget_penalty),
                                      max_tokens_per_turn=int(config.env.max_tokens_per_turn))
+    if self.obj.overlong_buffer >= self.shaping.max_tokens_per_turn:
+      raise ValueError(f"config.rl.overlong_buffer={self.obj.overlong_buffer} must be below "
+                       f"config.env.max_tokens_per_turn={self.shaping.max_tokens_per_turn} (the soft "
+                       "penalty ramps over the last overlong_buffer tokens); lower it.")
     self.loop_config = LoopConfig.from_config(config.env)
     self.tokenizer = batches_lib.tokenizer_for(config)
     self.think_end = self.tokenizer.special_id("/think")
@@ -113,6 +117,13 @@ class RLRun:
     elif config.checkpoint.get("init_from"):
       meta = restore_params(config.checkpoint.init_from, self.model)
       logging.info("initialised the policy from %s (step %d)", config.checkpoint.init_from, meta["step"])
+    self.ref_model = None
+    if self.obj.kl != "none":
+      # The frozen reference: the weights the run started from (init_from, or the seeded init),
+      # rebuilt the same way on resume.
+      self.ref_model = create_sharded_model(lambda: Horizon(cfg, rngs=nnx.Rngs(config.seed)), self.mesh)
+      if config.checkpoint.get("init_from"):
+        restore_params(config.checkpoint.init_from, self.ref_model)
     s = config.serving
     self.engine = Engine(self.model, self.tokenizer, slots=s.slots, max_context=s.max_context,
                          prefill_chunk=s.prefill_chunk, seed=s.seed).start()
@@ -181,14 +192,21 @@ class RLRun:
     return {k: jnp.asarray(v[rows]) for k, v in arrays.items()}
 
   def update(self, episodes: Sequence[Episode]) -> dict[str, Any]:
-    rewards, parts = batch_lib.shape_rewards(episodes, self.obj, self.shaping, self.think_end)
-    groups = batch_lib.group_ids(episodes)
-    adv = obj_lib.advantages(rewards, groups, self.obj)
-    arrays = batch_lib.to_batch(episodes, adv, self.obj, pad_multiple=int(self.rl.pad_multiple),
-                                pad_id=self.tokenizer.pad_id)
+    arrays = batch_lib.to_batch(episodes, np.zeros(len(episodes)), self.obj,
+                                pad_multiple=int(self.rl.pad_multiple), pad_id=self.tokenizer.pad_id)
     b = len(episodes)
     mb = max(1, min(int(self.rl.micro_batch), b))
     chunks = [slice(i, min(i + mb, b)) for i in range(0, b, mb)]
+    rewards, parts = batch_lib.shape_rewards(episodes, self.obj, self.shaping, self.think_end)
+    if self.ref_model is not None:
+      arrays["logp_ref"] = np.zeros_like(arrays["mask"])
+      for rows in chunks:
+        arrays["logp_ref"][rows] = np.asarray(update_lib.score(self.ref_model, self._micro(arrays, rows))[0])
+      parts["kl"] = -obj_lib.kl_reward_penalty(arrays["logp_rollout"], arrays["logp_ref"], arrays["mask"],
+                                               self.obj)
+      rewards = rewards + parts["kl"]
+    adv = obj_lib.advantages(rewards, batch_lib.group_ids(episodes), self.obj)
+    arrays["advantages"] = adv.astype(np.float32)
     logp_old = np.zeros_like(arrays["mask"])
     entropy = np.zeros_like(arrays["mask"])
     t0 = time.perf_counter()

@@ -101,3 +101,19 @@ def test_rl_checkpoint_serves(straight):
   engine = build_engine(serve.get_config("tiny"), str(base / "straight" / "checkpoints"))
   ids, reason, usage = engine.generate(Request(prompt_ids=[1, 2, 3], params=SamplingParams(max_tokens=5)))
   assert len(ids) >= 1 and reason in ("length", "stop") and usage.prompt_tokens == 3
+
+
+@pytest.mark.slow
+def test_dapo_with_reference_kl_and_dynamic_sampling(tmp_path):
+  """DAPO's knobs through the launcher: groups with equal rewards are dropped and refilled, the
+  k3 KL to the frozen start is 0 at the first step and positive after an update."""
+  cmd = [sys.executable, "-m", "experiments.rl", "--config=configs/rl.py:dapo,tiny", f"--workdir={tmp_path}",
+         "--config.rl.steps=2", "--config.rl.kl=k3", "--config.rl.kl_coef=0.05",
+         "--config.metrics.tensorboard=False"]
+  run = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(1), text=True, capture_output=True, timeout=900)
+  assert run.returncode == 0, run.stderr[-3000:]
+  first, second = _records(tmp_path)
+  assert first["kl_ref"] == pytest.approx(0.0, abs=1e-6) and second["kl_ref"] > 0
+  for r in (first, second):
+    assert r["rounds"] >= 1 and r["episodes_played"] == 8 * r["rounds"]
+    assert r["groups_dropped"] <= r["groups"]
