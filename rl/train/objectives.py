@@ -64,7 +64,8 @@ class Objective:
   kl_coef: float = 0.0
   kl_place: str = "in_loss"
   tis_cap: float = 2.0  # 0 = no TIS weighting
-  norm_tokens: int = 0  # 'constant' aggregation's divisor per sample (0: the batch's T)
+  norm_tokens: int = 0  # 'constant' aggregation's divisor per sample (0: the batch's T; the RL
+  # trainer sets the episode's generation budget, max_tokens_per_turn x max_turns)
   adv_eps: float = 1e-6
 
   def __post_init__(self):

@@ -85,6 +85,10 @@ class RLRun:
     self.cfg = model_config(config)
     self.tc = dataclasses.replace(TrainConfig.from_config(config.train), steps=int(config.rl.steps))
     self.obj = objective_from_config(config.rl)
+    if self.obj.aggregation == "constant" and not self.obj.norm_tokens:
+      # Dr. GRPO divides by a constant, not the batch's length: the episode's generation budget.
+      self.obj = dataclasses.replace(
+          self.obj, norm_tokens=int(config.env.max_tokens_per_turn) * int(config.env.max_turns))
     self.tiers = parse_tiers(config.rl.tiers)
     mixture = parse_mixture(config.rl.mixture)
     self.sampler = MixtureSampler(mixture, parse_levels(config.rl.difficulty, list(mixture)),
@@ -176,6 +180,9 @@ class RLRun:
         rewards, _ = batch_lib.shape_rewards(eps, self.obj, self.shaping, self.think_end)
         keep = obj_lib.informative_groups(rewards, groups)
         stats["groups_dropped"] += len(set(groups[~keep]))
+        for g in set(groups[~keep]):
+          key = f"groups_dropped/{eps[int(np.flatnonzero(groups == g)[0])].domain}"
+          stats[key] = stats.get(key, 0) + 1
         eps = [e for e, k in zip(eps, keep, strict=True) if k]
         srcs = [s for s, k in zip(srcs, keep, strict=True) if k]
       kept += eps

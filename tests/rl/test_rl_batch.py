@@ -109,3 +109,24 @@ def test_adaptive_weights_follow_progress_with_a_floor():
   assert ws["math"] > 0.7 and ws["code"] > 0 and ws["cad"] > 0
   assert ws["code"] == pytest.approx(ws["cad"]) and sum(ws.values()) == pytest.approx(1.0)
   assert not AdaptiveWeights({"math": 1.0}, enabled=False).fast
+
+
+def test_config_knobs_reach_the_objective_and_bad_values_name_the_field():
+  from configs import rl as rl_config
+  from rl.train.trainer import RLRun, objective_from_config, parse_tiers
+  config = rl_config.get_config("dapo,tiny")
+  assert objective_from_config(config.rl).eps_high == 0.28  # the preset
+  config.rl.eps_high = 0.35
+  config.rl.dynamic_sampling = False
+  o = objective_from_config(config.rl)
+  assert o.eps_high == 0.35 and not o.dynamic_sampling and o.aggregation == "token_mean"
+  assert parse_tiers("low=1,high=3") == {"low": 1.0, "high": 3.0} and parse_tiers("max") == {"max": 1.0}
+  with pytest.raises(ValueError, match="unknown tier 'huge'"):
+    parse_tiers("huge")
+  config.rl.overlong_buffer = 48
+  with pytest.raises(ValueError, match="overlong_buffer=48 must be below config.env.max_tokens_per_turn=48"):
+    RLRun(config, "/tmp/unused")
+  dr = RLRun(rl_config.get_config("dr_grpo,tiny"), "/tmp/unused")
+  assert dr.obj.aggregation == "constant" and dr.obj.norm_tokens == 48 * 8  # tokens per turn x turns
+  with pytest.raises(ValueError, match="unknown algorithm 'ppo'"):
+    rl_config.get_config("ppo")
