@@ -18,6 +18,7 @@ from ml_collections.config_dict import placeholder
 from configs import sft
 
 ALGORITHMS = ("grpo", "dr_grpo", "dapo", "gspo", "rloo")
+VARIANTS = ALGORITHMS + ("grpo,tiny",)  # what tests/test_config.py builds
 
 
 def _rl(algorithm: str) -> ml_collections.ConfigDict:
