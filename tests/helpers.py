@@ -3,7 +3,7 @@ benchmarks share it; never loosen to pass) and the environment of a test's child
 
 from training.tolerance import RTOL, assert_close, rel_err
 
-__all__ = ["RTOL", "assert_close", "rel_err", "subprocess_env"]
+__all__ = ["RTOL", "assert_close", "kill_once_saved", "rel_err", "subprocess_env"]
 
 
 def subprocess_env(devices: int) -> dict:
@@ -21,3 +21,19 @@ def subprocess_env(devices: int) -> dict:
   for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
     env.pop(k, None)
   return env
+
+
+def kill_once_saved(proc, checkpoint_dir, timeout_s: float = 600.0, after_s: float = 0.0) -> None:
+  """SIGKILLs a launcher process once `checkpoint_dir` exists (orbax renames its tmp dir on
+  commit), `after_s` seconds later; fails if the process ends or the time runs out first."""
+  import os
+  import signal
+  import time
+  deadline = time.time() + timeout_s
+  while not checkpoint_dir.is_dir():
+    assert proc.poll() is None, proc.stderr.read()[-3000:]
+    assert time.time() < deadline, f"no {checkpoint_dir} after {timeout_s} s"
+    time.sleep(0.02)
+  time.sleep(after_s)
+  os.kill(proc.pid, signal.SIGKILL)
+  proc.wait()

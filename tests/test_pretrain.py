@@ -6,11 +6,8 @@ Slow (three launcher processes, ~3 minutes on 2 cores): `python -m pytest -q -m 
 """
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -18,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests.helpers import subprocess_env
+from tests.helpers import kill_once_saved, subprocess_env
 from training.checkpoint import restore_params
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,13 +71,7 @@ def test_sigkill_and_resume_is_identical(straight):
   work = base / "killed"
   proc = subprocess.Popen(_cmd(work, prepared, 60), cwd=ROOT, env=subprocess_env(1), text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-  deadline = time.time() + 600
-  while not (work / "checkpoints" / "10").is_dir():  # orbax renames the tmp dir on commit
-    assert proc.poll() is None, proc.stderr.read()[-3000:]
-    assert time.time() < deadline
-    time.sleep(0.02)
-  os.kill(proc.pid, signal.SIGKILL)
-  proc.wait()
+  kill_once_saved(proc, work / "checkpoints" / "10")
   done = sorted(int(p.name) for p in (work / "checkpoints").iterdir() if p.name.isdigit())
   assert 60 not in done, f"the run finished before the kill ({done}); the test proves nothing"
   run = subprocess.run(_cmd(work, prepared, 60), cwd=ROOT, env=subprocess_env(1), text=True,

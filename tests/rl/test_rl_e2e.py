@@ -5,17 +5,14 @@ Slow (three launcher processes, ~4 minutes on 2 cores): `python -m pytest -q -m 
 
 import json
 import math
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.helpers import subprocess_env
+from tests.helpers import kill_once_saved, subprocess_env
 from tests.test_pretrain import _params
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,14 +62,7 @@ def test_sigkill_mid_step_and_resume_is_identical(straight):
   work = base / "killed"
   proc = subprocess.Popen(_cmd(work), cwd=ROOT, env=subprocess_env(1), text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-  deadline = time.time() + 600
-  while not (work / "checkpoints" / "2").is_dir():  # orbax renames the tmp dir on commit
-    assert proc.poll() is None, proc.stderr.read()[-3000:]
-    assert time.time() < deadline
-    time.sleep(0.02)
-  time.sleep(0.5)  # into step 2's rollouts
-  os.kill(proc.pid, signal.SIGKILL)
-  proc.wait()
+  kill_once_saved(proc, work / "checkpoints" / "2", after_s=0.5)  # 0.5 s into step 2's rollouts
   done = sorted(int(p.name) for p in (work / "checkpoints").iterdir() if p.name.isdigit())
   assert STEPS not in done, f"the run finished before the kill ({done}); the test proves nothing"
   run = subprocess.run(_cmd(work), cwd=ROOT, env=subprocess_env(1), text=True, capture_output=True,
