@@ -313,7 +313,7 @@ class Engine:
     if not rows:
       return None
     c = self.prefill_chunk
-    last = []
+    finished = []  # (row, last logits) of rows whose prompt is now complete: only they sample
     done = np.zeros(self.slots, bool)
     for i in rows:
       s = self._rows[i]
@@ -335,10 +335,9 @@ class Engine:
       s.fed += len(chunk)
       s.cache_len += len(chunk)
       done[i] = s.fed == len(s.prompt)
-      last.append((i, logits))
-    # Only rows whose prompt is complete sample; the others' logits are never read.
-    out = jnp.zeros((self.slots, self.vocab_size), last[0][1].dtype)
-    finished = [(i, lg) for i, lg in last if done[i]]
+      if done[i]:
+        finished.append((i, logits))
+    out = jnp.zeros((self.slots, self.vocab_size), jnp.float32)
     if finished:
       out = out.at[np.array([i for i, _ in finished])].set(jnp.stack([lg for _, lg in finished]))
     return out, done
@@ -426,9 +425,7 @@ class Engine:
     """Ends row i's request with `reason` and frees the slot (its row is zeroed on reuse)."""
     s = self._rows[i]
     self._rows[i] = None
-    routing = None
-    if s.routing is not None and s.routing:
-      routing = np.concatenate(s.routing).astype(np.int32)
+    routing = np.concatenate(s.routing).astype(np.int32) if s.routing else None
     self._finish_handle(s.handle, reason, len(s.generated), token_ids, deltas, logprobs, routing)
 
   def _finish_handle(self, handle: Handle, reason: str, n_generated: int, token_ids=(), deltas=(),

@@ -153,8 +153,7 @@ def kl_reward_penalty(logp_rollout: np.ndarray, logp_ref: np.ndarray, mask: np.n
   """kl_place='in_reward': kl_coef x the sample's summed KL estimate, subtracted from its reward."""
   if obj.kl == "none" or obj.kl_place != "in_reward":
     return np.zeros(len(mask))
-  d = np.asarray(logp_rollout, np.float64) - np.asarray(logp_ref, np.float64)
-  per_token = d if obj.kl == "k1" else np.exp(-d) + d - 1.0
+  per_token = np.asarray(kl_estimate(jnp.asarray(logp_rollout), jnp.asarray(logp_ref), obj.kl), np.float64)
   return obj.kl_coef * np.sum(per_token * np.asarray(mask, np.float64), axis=1)
 
 

@@ -106,9 +106,13 @@ class RLRun:
     self.mesh = mesh_lib.make_mesh(config.mesh)
 
   # ---- setup ----------------------------------------------------------------------
+  def _new_model(self) -> Horizon:
+    """The seeded initial model, sharded on the mesh (policy, and the frozen KL reference)."""
+    return create_sharded_model(lambda: Horizon(self.cfg, rngs=nnx.Rngs(self.config.seed)), self.mesh)
+
   def build(self) -> None:
     config, cfg = self.config, self.cfg
-    self.model = create_sharded_model(lambda: Horizon(cfg, rngs=nnx.Rngs(config.seed)), self.mesh)
+    self.model = self._new_model()
     self.optimizer = make_train_state(self.model, self.tc)
     self.ckpt = Checkpointer(str(epath.Path(self.workdir) / "checkpoints"), every=config.checkpoint.every,
                              keep=config.checkpoint.keep, async_save=config.checkpoint.async_save)
@@ -125,7 +129,7 @@ class RLRun:
     if self.obj.kl != "none":
       # The frozen reference: the weights the run started from (init_from, or the seeded init),
       # rebuilt the same way on resume.
-      self.ref_model = create_sharded_model(lambda: Horizon(cfg, rngs=nnx.Rngs(config.seed)), self.mesh)
+      self.ref_model = self._new_model()
       if config.checkpoint.get("init_from"):
         restore_params(config.checkpoint.init_from, self.ref_model)
     s = config.serving
@@ -250,7 +254,7 @@ class RLRun:
     if "routing" in arrays:  # experts chosen differently by trainer and engine (before the update)
       out["routing_mismatch"] = float(np.mean(mismatch))
     out.update(score_s=t_score, update_s=t_update, sync_s=t_sync,
-               tokens=float(arrays["mask"].sum()), batch_rows=float(b),
+               tokens=float(tokens), batch_rows=float(b),
                batch_len=float(arrays["mask"].shape[1]))
     return out
 
