@@ -3,7 +3,7 @@
     python -m experiments.sft --config=configs/sft.py:agent --workdir=/tmp/horizon_sft
     # from pretrained weights, on your own conversations (OpenAI chat format JSONL):
     python -m experiments.sft --config=configs/sft.py:agent --workdir=/tmp/sft2 \
-        --config.checkpoint.init_from=/tmp/pretrain/checkpoints --config.sft.chat_files=chats.jsonl
+        --init_checkpoint=/tmp/pretrain/checkpoints --config.sft.chat_files=chats.jsonl
 
 Loss on assistant tokens only, packed rows whose segments neither attention nor the delta
 rule's state crosses; checkpoints in <workdir>/checkpoints resume, and `experiments.serve` /
@@ -21,11 +21,16 @@ from rl.sft.train import run_sft
 
 _CONFIG = define_config_flag()
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics.jsonl).", required=True)
+_INIT = flags.DEFINE_string("init_checkpoint", None, "Start from these weights (a pretraining checkpoint "
+                            "directory); same as --config.checkpoint.init_from.")
 
 
 def main(argv):
   del argv
-  summary = run_sft(_CONFIG.value, _WORKDIR.value)
+  config = _CONFIG.value
+  if _INIT.value:
+    config.checkpoint.init_from = _INIT.value
+  summary = run_sft(config, _WORKDIR.value)
   print(json.dumps(summary), flush=True)
 
 
