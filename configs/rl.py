@@ -37,6 +37,8 @@ def _rl(algorithm: str) -> ml_collections.ConfigDict:
   r.temperature = 1.0
   r.max_refills = 2  # dynamic sampling: extra rounds of prompts when groups are dropped
   r.updates_per_step = 1  # passes over each step's batch (1 = on-policy)
+  # One-step asynchrony: generate step n+1 (weights before update n) while updating on step n.
+  r.async_rollouts = False
   r.micro_batch = 8  # rows per gradient micro-batch
   r.pad_multiple = 128  # rows are padded to a multiple of this (fewer compiled shapes)
   # R3 (routing replay): the trainer routes each MoE token to the experts the engine chose, so

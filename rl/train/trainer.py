@@ -26,6 +26,7 @@ import dataclasses
 import json
 import time
 from collections.abc import Sequence
+from concurrent import futures
 from typing import Any
 
 import jax
@@ -49,6 +50,7 @@ from rl.train.mixture import MixtureSampler, parse_levels, parse_mixture
 from serving.chat import ChatRenderer
 from serving.engine import Engine
 from sharding import mesh as mesh_lib
+from sharding.rules import activation_spec
 from sharding.state import create_sharded_model
 from training import batches as batches_lib
 from training import metrics as metrics_lib
@@ -80,7 +82,8 @@ def parse_tiers(text: str) -> dict[str, float]:
 class RLRun:
   """One RL launch: policy + optimizer + engine + environments + task sampler + checkpointer."""
 
-  def __init__(self, config, workdir: str):
+  def __init__(self, config, workdir: str, devices: Sequence[jax.Device] | None = None):
+    """devices: the mesh's devices (default all; config.mesh sizes them as in pretraining)."""
     self.config, self.workdir, self.rl = config, workdir, config.rl
     self.cfg = model_config(config)
     self.tc = dataclasses.replace(TrainConfig.from_config(config.train), steps=int(config.rl.steps))
@@ -103,7 +106,7 @@ class RLRun:
     self.loop_config = LoopConfig.from_config(config.env)
     self.tokenizer = batches_lib.tokenizer_for(config)
     self.think_end = self.tokenizer.special_id("/think")
-    self.mesh = mesh_lib.make_mesh(config.mesh)
+    self.mesh = mesh_lib.make_mesh(config.mesh, devices)
 
   # ---- setup ----------------------------------------------------------------------
   def _new_model(self) -> Horizon:
@@ -200,9 +203,24 @@ class RLRun:
 
   # ---- the update -----------------------------------------------------------------
   def _micro(self, arrays: dict[str, np.ndarray], rows: slice) -> dict[str, jax.Array]:
-    return {k: jnp.asarray(v[rows]) for k, v in arrays.items()}
+    """Rows of the batch on the mesh, split over its batch axes (data, fsdp, expert) as
+    pretraining's batches are; a micro-batch the axes do not divide stays whole."""
+    out = {}
+    for k, v in arrays.items():
+      part = v[rows]
+      spec = activation_spec(("batch",) + (None,) * (part.ndim - 1), part.shape, dict(self.mesh.shape))
+      out[k] = jax.device_put(part, jax.sharding.NamedSharding(self.mesh, spec))
+    return out
 
-  def update(self, episodes: Sequence[Episode]) -> dict[str, Any]:
+  def sync_weights(self) -> float:
+    """Hands the policy's weights to the engine (no file round trip); returns the seconds taken."""
+    t0 = time.perf_counter()
+    self.engine.update_weights(self.model)
+    return time.perf_counter() - t0
+
+  def update(self, episodes: Sequence[Episode], sync: bool = True) -> dict[str, Any]:
+    """Scores and updates on `episodes`; sync=False leaves the engine's weights as they were
+    (asynchronous rollouts: the caller syncs once the engine's current rollouts are done)."""
     arrays = batch_lib.to_batch(episodes, np.zeros(len(episodes)), self.obj,
                                 pad_multiple=int(self.rl.pad_multiple), pad_id=self.tokenizer.pad_id)
     b = len(episodes)
@@ -247,9 +265,7 @@ class RLRun:
       out.update({k: float(np.asarray(v)) for k, v in applied.items()})
       out.update({k: float(v) for k, v in sums.items()})
     t_update = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    self.engine.update_weights(self.model)
-    t_sync = time.perf_counter() - t0
+    t_sync = self.sync_weights() if sync else 0.0
     out.update(self._domain_metrics(episodes, rewards, parts, arrays, entropy))
     if "routing" in arrays:  # experts chosen differently by trainer and engine (before the update)
       out["routing_mismatch"] = float(np.mean(mismatch))
@@ -318,49 +334,64 @@ class RLRun:
                             "reward": ep.reward, "success": ep.success, "end": ep.end, "messages": turns},
                            default=str) + "\n")
 
-  def save(self, step: int, force: bool = False) -> bool:
+  def save(self, step: int, force: bool = False, sampler_state: dict | None = None) -> bool:
     return self.ckpt.save(step, model=self.model, optimizer=self.optimizer,
-                          data_state=self.sampler.get_state(),
+                          data_state=sampler_state or self.sampler.get_state(),
                           rng=None, config=self.config.to_dict(), force=force)
 
 
 def run(config, workdir: str) -> dict[str, Any]:
-  """Runs config.rl.steps RL steps (resuming from <workdir>/checkpoints); returns the summary."""
+  """Runs config.rl.steps RL steps (resuming from <workdir>/checkpoints); returns the summary.
+
+  With config.rl.async_rollouts the engine generates step n+1's episodes (with the weights
+  before update n) while the trainer updates on step n's, in a second thread: each batch after
+  the first is one update stale (`staleness` 1), which the recomputed log-probs and TIS correct.
+  Weights reach the engine between rollouts, never during one. Resuming such a run regenerates
+  its first step on-policy (the stale weights are not checkpointed), so only synchronous runs
+  resume bitwise.
+  """
   r = RLRun(config, workdir)
-  steps = int(config.rl.steps)
-  with mesh_lib.activate(r.mesh):
+  steps, every = int(config.rl.steps), int(config.rl.eval_every)
+  use_async = bool(config.rl.async_rollouts)
+  with mesh_lib.activate(r.mesh), futures.ThreadPoolExecutor(1, "rollouts") as pool:
     r.build()
     logger = metrics_lib.MetricsLogger(workdir, total_steps=steps, tensorboard=config.metrics.tensorboard)
     history = []
     try:
+      pending, staleness = None, 0
       for step in range(r.start, steps):
         t0 = time.perf_counter()
-        episodes, sources, stats = r.rollout(step)
+        episodes, sources, stats = pending.result() if pending is not None else r.rollout(step)
         t_roll = time.perf_counter() - t0
+        sampler_state = r.sampler.get_state()  # before the next step's draws (what a resume redoes)
+        pending = pool.submit(r.rollout, step + 1) if use_async and step + 1 < steps else None
+        m = r.update(episodes, sync=pending is None) if episodes else {}
         if not episodes:
           logging.warning("step %d: every group had equal rewards; no update", step)
-          m = {"groups_dropped": stats["groups_dropped"]}
-        else:
-          m = r.update(episodes)
-          success = batch_lib.domain_means(np.array([e.success for e in episodes], float), sources)
-          r.sampler.adaptive.observe(success)
-        weights = r.sampler.adaptive.weights()
-        m.update({f"mix/{s}": w for s, w in weights.items()})
-        m.update(stats, rollout_s=t_roll, step_s=time.perf_counter() - t0)
+        if pending is not None:  # the engine finishes the next step's rollouts, then takes the weights
+          futures.wait([pending])
+          m["sync_s"] = r.sync_weights()
+        if episodes:
+          r.sampler.adaptive.observe(batch_lib.domain_means(
+              np.array([e.success for e in episodes], float), sources))
+        m.update({f"mix/{s}": w for s, w in r.sampler.adaptive.weights().items()})
+        m.update(stats, rollout_s=t_roll, step_s=time.perf_counter() - t0, staleness=float(staleness))
+        staleness = 1 if pending is not None else 0
         if not np.isfinite(m.get("loss", 0.0)):
           raise FloatingPointError(f"RL step {step}: the loss is {m['loss']}; lower "
                                    "config.train.learning_rate.")
-        every = int(config.rl.eval_every)
         if every > 0 and ((step + 1) % every == 0 or step == steps - 1):
           m.update(r.evaluate(step + 1))
         logger.log(step, m)
         history.append(m)
         r.write_trajectories(step, episodes or r.last_played)
-        r.save(step + 1)
+        r.save(step + 1, sampler_state={**r.sampler.get_state(), "positions": sampler_state["positions"]})
       r.save(steps, force=True)
       r.ckpt.wait()
       latest = r.ckpt.latest_step()
     finally:
+      if pending is not None:
+        futures.wait([pending])
       summary = logger.close()
       r.close()
   summary.update({"workdir": str(workdir), "start_step": r.start, "latest_checkpoint": latest,

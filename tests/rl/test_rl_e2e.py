@@ -19,9 +19,11 @@ ROOT = Path(__file__).resolve().parents[2]
 STEPS = 4
 
 
-def _cmd(workdir, algorithm="grpo"):
+def _cmd(workdir, algorithm="grpo", *extra):
+  # held-out evaluation every 2 steps: part of every run, and of what a resume must replay
   return [sys.executable, "-m", "experiments.rl", f"--config=configs/rl.py:{algorithm},tiny",
-          f"--workdir={workdir}", f"--config.rl.steps={STEPS}", "--config.metrics.tensorboard=False"]
+          f"--workdir={workdir}", f"--config.rl.steps={STEPS}", "--config.metrics.tensorboard=False",
+          "--config.rl.eval_every=2", "--config.rl.eval_n=2", *extra]
 
 
 def _records(workdir):
@@ -49,7 +51,13 @@ def test_run_logs_domains_trajectories_and_checkpoints(straight):
                 "abs_dlogp", "rollout_kl", "tis_clip_frac", "clip_frac", "grad_norm", "rollout_s",
                 "update_s"):
       assert key in r and math.isfinite(r[key]), (key, r.get(key))
-    assert r["episodes_played"] == 8 and r["finite"] == 1.0
+    assert r["episodes_played"] == 8 and r["finite"] == 1.0 and r["staleness"] == 0.0
+    evaluated = "eval/success/math/high" in r
+    assert evaluated == (r["step"] % 2 == 1), r["step"]  # after steps 2 and 4
+    if evaluated:
+      assert r["eval/ci_low/math/high"] <= r["eval/success/math/high"] <= r["eval/ci_high/math/high"]
+      table = (base / "straight" / "eval" / f"step_{r['step'] + 1}" / "table.md").read_text()
+      assert "| math | high | 2 |" in table, table
   lines = (base / "straight" / "trajectories.jsonl").read_text().splitlines()
   assert len(lines) == 2 * STEPS
   first = json.loads(lines[0])
@@ -107,3 +115,25 @@ def test_dapo_with_reference_kl_and_dynamic_sampling(tmp_path):
   for r in (first, second):
     assert r["rounds"] >= 1 and r["episodes_played"] == 8 * r["rounds"]
     assert r["groups_dropped"] <= r["groups"]
+
+
+@pytest.mark.slow
+def test_async_rollouts_are_one_update_stale(straight):
+  """config.rl.async_rollouts: step 0 is the synchronous run's step exactly; later batches were
+  generated with the weights before the previous update (staleness 1), so the rollout and
+  trainer policies now differ by a whole update, far more than numerics."""
+  base, _ = straight
+  work = base / "async"
+  run = subprocess.run(_cmd(work, "grpo", "--config.rl.async_rollouts=true"), cwd=ROOT,
+                       env=subprocess_env(1), text=True, capture_output=True, timeout=900)
+  assert run.returncode == 0, run.stderr[-3000:]
+  records, straight_records = _records(work), _records(base / "straight")
+  assert [r["staleness"] for r in records] == [0.0] + [1.0] * (STEPS - 1)
+  for key in ("reward", "loss", "grad_norm", "abs_dlogp"):
+    assert records[0][key] == straight_records[0][key], key
+  for r in records:
+    assert r["finite"] == 1.0 and math.isfinite(r["loss"]) and r["sync_s"] >= 0.0
+  stale = np.mean([r["abs_dlogp"] for r in records[1:]])
+  fresh = np.mean([r["abs_dlogp"] for r in straight_records[1:]])
+  assert stale > 10 * fresh, (stale, fresh)
+  assert (work / "checkpoints" / str(STEPS)).is_dir()
