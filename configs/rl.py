@@ -39,6 +39,9 @@ def _rl(algorithm: str) -> ml_collections.ConfigDict:
   r.updates_per_step = 1  # passes over each step's batch (1 = on-policy)
   # One-step asynchrony: generate step n+1 (weights before update n) while updating on step n.
   r.async_rollouts = False
+  # Rollouts with MXFP4 weights: "none" | "experts" | "all-linear", quantized from the policy at
+  # every weight sync (the trainer stays dense; TIS corrects the difference).
+  r.rollout_quantization = "none"
   r.micro_batch = 8  # rows per gradient micro-batch
   r.pad_multiple = 128  # rows are padded to a multiple of this (fewer compiled shapes)
   # R3 (routing replay): the trainer routes each MoE token to the experts the engine chose, so

@@ -38,6 +38,7 @@ from flax import nnx
 
 from model.config import model_config
 from model.decoder import Horizon
+from model.quant import quantize_model
 from rl.agent.episode import Episode
 from rl.agent.executor import TimedExecutor, make_executor
 from rl.agent.loop import LoopConfig, run_episodes
@@ -107,6 +108,9 @@ class RLRun:
     self.tokenizer = batches_lib.tokenizer_for(config)
     self.think_end = self.tokenizer.special_id("/think")
     self.mesh = mesh_lib.make_mesh(config.mesh, devices)
+    if config.rl.rollout_quantization not in ("none", "experts", "all-linear"):
+      raise ValueError(f"config.rl.rollout_quantization={config.rl.rollout_quantization!r}: choose none, "
+                       "experts (routed experts in MXFP4) or all-linear.")
 
   # ---- setup ----------------------------------------------------------------------
   def _new_model(self) -> Horizon:
@@ -136,7 +140,7 @@ class RLRun:
       if config.checkpoint.get("init_from"):
         restore_params(config.checkpoint.init_from, self.ref_model)
     s = config.serving
-    self.engine = Engine(self.model, self.tokenizer, slots=s.slots, max_context=s.max_context,
+    self.engine = Engine(self.rollout_weights(), self.tokenizer, slots=s.slots, max_context=s.max_context,
                          prefill_chunk=s.prefill_chunk, seed=s.seed).start()
     renderer = ChatRenderer(self.tokenizer, cfg.vision.num_patches if cfg.vision.enabled else 0)
     # Routing is always recorded (the mismatch metric); config.rl.routing_replay replays it.
@@ -212,10 +216,21 @@ class RLRun:
       out[k] = jax.device_put(part, jax.sharding.NamedSharding(self.mesh, spec))
     return out
 
+  def rollout_weights(self) -> Horizon:
+    """What the engine generates with: the policy itself, or (config.rl.rollout_quantization)
+    a copy with its routed experts or every linear weight in MXFP4, quantized from the current
+    policy at each weight sync; TIS corrects the gap, which abs_dlogp and rollout_kl report."""
+    what = str(self.rl.rollout_quantization)
+    if what == "none":
+      return self.model
+    copy = nnx.clone(self.model)
+    quantize_model(copy, what)
+    return copy
+
   def sync_weights(self) -> float:
     """Hands the policy's weights to the engine (no file round trip); returns the seconds taken."""
     t0 = time.perf_counter()
-    self.engine.update_weights(self.model)
+    self.engine.update_weights(self.rollout_weights())
     return time.perf_counter() - t0
 
   def update(self, episodes: Sequence[Episode], sync: bool = True) -> dict[str, Any]:
