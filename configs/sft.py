@@ -44,6 +44,9 @@ def _sft() -> ml_collections.ConfigDict:
   s.domains = "math,terminal"  # generated tasks whose oracles are trained on; "" = none
   s.difficulties = "0"  # levels per domain: "0", "0,1", or "all"
   s.tasks_per_level = 1500  # train-split tasks per domain and level
+  # "" = each oracle at the smallest tier holding its thinking; "low=1,high=1,max=1" = a tier
+  # drawn per task, thinking as deep as the oracle writes for it (thinking_by_tier)
+  s.tiers = ""
   s.task_seed = 0
   s.chat_files = ""  # comma-separated OpenAI-format chat JSONL files
   s.chat_tier = ""  # tier stated for chat files; "" = "max" when they think, else thinking off
@@ -59,6 +62,8 @@ def get_config(variant: str = "agent") -> ml_collections.ConfigDict:
   config.train.update(steps=200, global_batch=8, seq_len=1024, learning_rate=2e-3, warmup_steps=20)
   config.checkpoint.every = 100
   config.metrics.log_every = 20
+  if variant == "agent":  # room for the max tier's 512 thinking tokens and an answer
+    config.env.max_tokens_per_turn = 640
   if variant in ("tiny", "tiny_sharded"):  # tests: a 256-token model, short data
     config.train.update(steps=20, global_batch=4, seq_len=256, learning_rate=3e-3, warmup_steps=2)
     config.sft.tasks_per_level = 16

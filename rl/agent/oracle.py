@@ -15,8 +15,13 @@ from rl.tasks.schema import Task
 from serving.types import Message, TextPart, ToolCall
 
 
-def turn_message(turn: Mapping[str, Any], index: int, thinking: bool) -> Message:
-  """An oracle turn as an assistant Message (call ids call_<turn>_<i>)."""
+def turn_thinking(turn: Mapping[str, Any], tier: str | None) -> str:
+  """The turn's thinking at `tier`: its `thinking_by_tier` entry, else its one `thinking`."""
+  return (turn.get("thinking_by_tier") or {}).get(tier, turn.get("thinking", ""))
+
+
+def turn_message(turn: Mapping[str, Any], index: int, thinking: bool, tier: str | None = None) -> Message:
+  """An oracle turn as an assistant Message (call ids call_<turn>_<i>), thinking at `tier`."""
   calls = [
     ToolCall(id=f"call_{index}_{i}", name=c["name"], arguments=json.dumps(c["arguments"]))
     for i, c in enumerate(turn.get("tool_calls", []))
@@ -24,7 +29,7 @@ def turn_message(turn: Mapping[str, Any], index: int, thinking: bool) -> Message
   return Message(
     "assistant",
     [TextPart(turn.get("content", ""))],
-    thinking=turn.get("thinking", "") if thinking else None,
+    thinking=turn_thinking(turn, tier) if thinking else None,
     tool_calls=calls,
   )
 
@@ -32,13 +37,13 @@ def turn_message(turn: Mapping[str, Any], index: int, thinking: bool) -> Message
 class ScriptedSession(Session):
   """Returns the scripted turns in order (then empty answers)."""
 
-  def __init__(self, turns: Sequence[Mapping[str, Any]], thinking: bool):
-    self.turns, self.thinking = list(turns), thinking
+  def __init__(self, turns: Sequence[Mapping[str, Any]], thinking: bool, tier: str | None = None):
+    self.turns, self.thinking, self.tier = list(turns), thinking, tier
 
   async def complete(self, messages, turn: int) -> Completion:
     if turn >= len(self.turns):
       return Completion(Message("assistant", [TextPart("")]), "stop")
-    message = turn_message(self.turns[turn], turn, self.thinking)
+    message = turn_message(self.turns[turn], turn, self.thinking, self.tier)
     return Completion(message, "tool_calls" if message.tool_calls else "stop")
 
 
@@ -54,4 +59,4 @@ class OraclePolicy(Policy):
       raise ValueError(
         f"task {task.id!r} has no oracle trajectory (generated tasks have one; pass trajectories= for others)"
       )
-    return ScriptedSession(turns, tier is not None)
+    return ScriptedSession(turns, tier is not None, tier)

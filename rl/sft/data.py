@@ -44,6 +44,19 @@ class Example:
   source: str = ""
 
 
+def parse_tier_mix(text: str, field: str = "tiers") -> dict[str, float]:
+  """"low=1,high=1" -> {tier: weight}; "high" -> {'high': 1.0}; 'off' = thinking off."""
+  out = {}
+  for part in (p.strip() for p in str(text).split(",") if p.strip()):
+    name, sep, w = part.partition("=")
+    if name not in ("low", "high", "max", "off"):
+      raise ValueError(f"{field}: unknown tier {name!r}; tiers: low, high, max, off.")
+    out[name] = float(w) if sep else 1.0
+  if not out or sum(out.values()) <= 0:
+    raise ValueError(f"{field}={text!r}: give at least one tier a positive weight.")
+  return out
+
+
 def tier_for_thinking(thinking_tokens: int, budgets: Mapping[str, int]) -> str:
   """The smallest tier whose budget holds the thinking (the largest when none does)."""
   for tier, budget in sorted(budgets.items(), key=lambda kv: kv[1]):

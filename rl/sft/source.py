@@ -8,7 +8,10 @@ the same global batch.
 
 Oracle conversations are played through the agent loop with the real environments (so tool
 results are what the tools return), at the tier whose thinking budget holds the oracle's
-thinking (`data.tier_for_thinking`): the model learns to think within the tier it is told.
+thinking (`data.tier_for_thinking`), or with config.sft.tiers at a tier drawn per task with
+the oracle's thinking for that tier (`thinking_by_tier`: e.g. math's result alone at low,
+the working at high, the working and a check at max): the model learns to think as deep as
+the tier it is told.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import numpy as np
 
 from rl.agent.executor import ThreadExecutor
 from rl.agent.loop import LoopConfig, run_episodes
-from rl.agent.oracle import OraclePolicy
+from rl.agent.oracle import OraclePolicy, turn_thinking
 from rl.agent.policy import Sampling
 from rl.envs.base import EnvContext
 from rl.sft import data as sft
@@ -34,19 +37,31 @@ _log = logging.getLogger(__name__)
 
 
 def oracle_conversations(tasks, ctx: EnvContext, config: LoopConfig, budgets: dict[str, int], tokenizer,
-                         workers: int = 8):
+                         workers: int = 8, tiers: dict[str, float] | None = None, seed: int = 0):
   """(messages, tools, tier, task) per task, played with its oracle through the environments.
 
+  tiers: None = each task at the smallest tier whose budget holds its oracle's thinking; a mix
+  {tier: weight} = a tier drawn per task (seeded by `seed` and its position), its thinking the
+  oracle's `thinking_by_tier` entry where it has one, and the smallest fitting tier instead
+  when that thinking exceeds the drawn tier's budget.
   Only trajectories that succeed are kept (a generator bug must not teach a wrong answer).
   """
   tools_of: dict[str, list] = {}
+  names = sorted(tiers or {})
+  p = np.array([tiers[t] for t in names]) if tiers else None
 
-  def tier_of(task) -> str:
-    longest = max((len(tokenizer.encode(t.get("thinking", ""), allow_special=False)) for t in task.oracle),
-                  default=0)
-    return sft.tier_for_thinking(longest, budgets)
+  def longest(task, tier) -> int:
+    return max((len(tokenizer.encode(turn_thinking(t, tier), allow_special=False)) for t in task.oracle),
+               default=0)
 
-  jobs = [(t, tier_of(t), Sampling()) for t in tasks]
+  def tier_of(i, task) -> str:
+    fits = sft.tier_for_thinking(longest(task, None), budgets)
+    if not tiers:
+      return fits
+    drawn = names[np.random.default_rng([seed, i, 5]).choice(len(names), p=p / p.sum())]
+    return drawn if drawn in budgets and longest(task, drawn) <= budgets[drawn] else fits
+
+  jobs = [(t, tier_of(i, t), Sampling()) for i, t in enumerate(tasks)]
   executor = ThreadExecutor(ctx, workers=workers)
 
   class _Recorder(OraclePolicy):
@@ -81,12 +96,14 @@ class SFTBatches:
     examples: list[sft.Example] = []
     self.counts: dict[str, int] = {}
     budgets = dict(config.serving.thinking_budgets)
+    tiers = sft.parse_tier_mix(s.tiers, "config.sft.tiers") if s.tiers else None
     for domain in [d for d in s.domains.split(",") if d.strip()]:
       domain = domain.strip()
       for level in _levels(s.difficulties, generators.max_difficulty(domain)):
         tasks = generators.generate(domain, split="train", difficulty=level, n=int(s.tasks_per_level),
                                     seed=int(s.task_seed))
-        played = oracle_conversations(tasks, ctx, loop, budgets, tokenizer, workers=int(config.env.workers))
+        played = oracle_conversations(tasks, ctx, loop, budgets, tokenizer, workers=int(config.env.workers),
+                                      tiers=tiers, seed=int(s.task_seed) * 1009 + level)
         for messages, tools, tier, task in played:
           examples.append(sft.render_example(renderer, messages, tools, tier, source=task.id))
         self.counts[f"{domain}/{level}"] = len(played)

@@ -28,7 +28,9 @@ and per domain:
 
 Two optional fields are Horizon extensions that other writers may leave out: `oracle`, a
 trajectory that solves the task (a list of assistant turns {thinking, content, tool_calls:
-[{name, arguments}]}; the generators write it, SFT trains on it, tests replay it), and
+[{name, arguments}], optional thinking_by_tier: {low|high|max: thinking} where the depth of
+thinking should follow the tier's budget}; the generators write it, SFT trains on it, tests
+replay it), and
 `meta`, a free object (generator, difficulty, split, seed) that nothing grades.
 
 Unknown fields are an error (a typo like `anwser` must not silently make a task ungradable).
@@ -351,14 +353,24 @@ def _oracle(v: Any, where: str) -> tuple[dict[str, Any], ...]:
   for i, turn in enumerate(v):
     f = f"oracle[{i}]"
     _need(
-      isinstance(turn, dict) and set(turn) <= {"thinking", "content", "tool_calls"},
+      isinstance(turn, dict) and set(turn) <= {"thinking", "content", "tool_calls", "thinking_by_tier"},
       where,
       f,
-      "an object with keys among thinking, content, tool_calls",
+      "an object with keys among thinking, content, tool_calls, thinking_by_tier",
       turn,
     )
     for key in ("thinking", "content"):
       _need(isinstance(turn.get(key, ""), str), where, f"{f}.{key}", "a string", turn.get(key))
+    by_tier = turn.get("thinking_by_tier", {})
+    _need(
+      isinstance(by_tier, dict)
+      and set(by_tier) <= {"low", "high", "max"}
+      and all(isinstance(t, str) for t in by_tier.values()),
+      where,
+      f"{f}.thinking_by_tier",
+      "an object {low|high|max: thinking string} (the thinking to write at that tier)",
+      by_tier,
+    )
     calls = turn.get("tool_calls", [])
     _need(isinstance(calls, list), where, f"{f}.tool_calls", "a list of {name, arguments}", calls)
     for j, call in enumerate(calls):
@@ -383,6 +395,7 @@ def _oracle(v: Any, where: str) -> tuple[dict[str, Any], ...]:
         "thinking": turn.get("thinking", ""),
         "content": turn.get("content", ""),
         "tool_calls": [dict(c) for c in calls],
+        **({"thinking_by_tier": dict(by_tier)} if by_tier else {}),
       }
     )
   return tuple(turns)

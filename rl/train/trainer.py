@@ -44,6 +44,7 @@ from rl.agent.executor import TimedExecutor, make_executor
 from rl.agent.loop import LoopConfig, run_episodes
 from rl.agent.policy import EnginePolicy, Sampling
 from rl.envs.base import EnvContext
+from rl.sft.data import parse_tier_mix
 from rl.train import batch as batch_lib
 from rl.train import objectives as obj_lib
 from rl.train import update as update_lib
@@ -67,19 +68,6 @@ def objective_from_config(rl) -> obj_lib.Objective:
   return obj_lib.objective(rl.algorithm, **{k: rl.get(k) for k in _KNOBS if rl.get(k) is not None})
 
 
-def parse_tiers(text: str) -> dict[str, float]:
-  """"low=1,high=1" -> {tier: weight}; "high" -> {'high': 1}; 'off' = thinking off."""
-  out = {}
-  for part in (p.strip() for p in str(text).split(",") if p.strip()):
-    name, sep, w = part.partition("=")
-    if name not in ("low", "high", "max", "off"):
-      raise ValueError(f"config.rl.tiers: unknown tier {name!r}; tiers: low, high, max, off.")
-    out[name] = float(w) if sep else 1.0
-  if not out or sum(out.values()) <= 0:
-    raise ValueError(f"config.rl.tiers={text!r}: give at least one tier a positive weight.")
-  return out
-
-
 class RLRun:
   """One RL launch: policy + optimizer + engine + environments + task sampler + checkpointer."""
 
@@ -93,7 +81,7 @@ class RLRun:
       # Dr. GRPO divides by a constant, not the batch's length: the episode's generation budget.
       self.obj = dataclasses.replace(
           self.obj, norm_tokens=int(config.env.max_tokens_per_turn) * int(config.env.max_turns))
-    self.tiers = parse_tiers(config.rl.tiers)
+    self.tiers = parse_tier_mix(config.rl.tiers, "config.rl.tiers")
     mixture = parse_mixture(config.rl.mixture)
     self.sampler = MixtureSampler(mixture, parse_levels(config.rl.difficulty, list(mixture)),
                                   seed=int(config.rl.seed), adaptive=bool(config.rl.adaptive),
@@ -321,7 +309,7 @@ class RLRun:
       tasks += generators.generate(source, split="heldout", difficulty=level, n=int(rl.eval_n))
     if not tasks or jax.process_index() != 0:
       return {}
-    tiers = [None if t == "off" else t for t in parse_tiers(rl.eval_tiers)]
+    tiers = [None if t == "off" else t for t in parse_tier_mix(rl.eval_tiers, "config.rl.eval_tiers")]
     sampling = Sampling(temperature=0.0, seed=int(rl.seed),
                         max_tokens_per_turn=int(self.config.env.max_tokens_per_turn))
     out_dir = epath.Path(self.workdir) / "eval" / f"step_{step}"

@@ -113,7 +113,8 @@ def test_adaptive_weights_follow_progress_with_a_floor():
 
 def test_config_knobs_reach_the_objective_and_bad_values_name_the_field():
   from configs import rl as rl_config
-  from rl.train.trainer import RLRun, objective_from_config, parse_tiers
+  from rl.sft.data import parse_tier_mix as parse_tiers
+  from rl.train.trainer import RLRun, objective_from_config
   config = rl_config.get_config("dapo,tiny")
   assert objective_from_config(config.rl).eps_high == 0.28  # the preset
   config.rl.eps_high = 0.35

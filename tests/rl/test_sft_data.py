@@ -154,3 +154,38 @@ def test_packed_segments_do_not_see_each_other(tiny_cfg):
       np.asarray(packed[0, start : start + n]), np.asarray(alone[0, :n]), rtol=2e-5, atol=2e-5
     )
     start += n
+
+
+def test_oracles_think_as_deep_as_the_drawn_tier(renderer):
+  """config.sft.tiers: a tier per task; math's oracle writes the result alone at low, the working
+  at high, working and check at max; a drawn tier too small for its thinking falls back."""
+  from rl.agent.loop import LoopConfig
+  from rl.envs.base import EnvContext
+  from rl.sft.source import oracle_conversations
+  from rl.tasks.generators import math as gen
+
+  tok = renderer.tokenizer
+  budgets = {"low": 32, "high": 128, "max": 512}
+  tasks = gen.generate(split="train", difficulty=0, n=24)
+  played = oracle_conversations(tasks, EnvContext(), LoopConfig(default_max_turns=1), budgets, tok, workers=2,
+                                tiers=sft.parse_tier_mix("low=1,high=1,max=1"), seed=3)
+  assert len(played) == len(tasks)  # every tier's oracle still answers correctly
+  lengths: dict[str, list[int]] = {}
+  for messages, _, tier, task in played:
+    thinking = messages[-1].thinking
+    assert thinking == task.oracle[0]["thinking_by_tier"][tier] and thinking.endswith(
+        f"So the answer is {task['answer']}.")
+    n = len(tok.encode(thinking, allow_special=False))
+    assert n <= budgets[tier], (tier, n)
+    lengths.setdefault(tier, []).append(n)
+  assert set(lengths) == {"low", "high", "max"}
+  assert max(lengths["low"]) < np.mean(lengths["high"]) < np.mean(lengths["max"])
+  # a budget the low thinking cannot fit: the smallest tier holding the default thinking instead
+  small = {"low": 2, "high": 128, "max": 512}
+  tight = oracle_conversations(tasks[:4], EnvContext(), LoopConfig(default_max_turns=1), small, tok,
+                               workers=2, tiers={"low": 1.0}, seed=3)
+  fits = [sft.tier_for_thinking(len(tok.encode(t.oracle[0]["thinking"], allow_special=False)), small)
+          for t in tasks[:4]]
+  assert [tier for _, _, tier, _ in tight] == fits and "low" not in fits
+  with pytest.raises(ValueError, match="config.sft.tiers: unknown tier 'medium'"):
+    sft.parse_tier_mix("medium", "config.sft.tiers")

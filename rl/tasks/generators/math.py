@@ -20,7 +20,9 @@ The oracle thinks through a solution we compute ourselves (the arithmetic steps,
 whole numbers digit by digit with carries and borrows, Euclid's
 algorithm, the per-item counts, the equation rearranged; gsm_symbolic's own chain of
 thought) and answers `<answer>X</answer>`; a task is only written when our value agrees
-with reasoning-gym's answer under the grader's exact comparison.
+with reasoning-gym's answer under the grader's exact comparison. Its thinking follows the
+tier (`thinking_by_tier`): the result alone at `low`, the working at `high`, the working and a
+second pass as a check at `max`.
 """
 
 from __future__ import annotations
@@ -329,6 +331,16 @@ def _draw(split: str, difficulty: int, seed: int, index: int, mix: dict[str, flo
   raise RuntimeError(f"no {split} question at math level {difficulty} after {_MAX_DRAWS} draws")
 
 
+def thinking_by_tier(worked: str, answer: str) -> dict[str, str]:
+  """How deep to think at each tier: `low` states only the worked solution's last line (the
+  result, no working), `high` the whole worked solution, `max` the worked solution and then a
+  second pass through it as a check."""
+  lines = worked.splitlines()
+  end = f"So the answer is {answer}."
+  return {"low": f"{lines[-1]}\n{end}", "high": f"{worked}\n{end}",
+          "max": f"{worked}\nCheck, working it again:\n{worked}\n{end}"}
+
+
 def generate(*, split: str, difficulty: int, n: int, seed: int = 0,
              weights: Mapping[str, float] | None = None) -> list[Task]:
   """`n` math tasks, deterministic in (split, difficulty, seed, weights).
@@ -343,8 +355,9 @@ def generate(*, split: str, difficulty: int, n: int, seed: int = 0,
     obj = {"id": common.task_id(DOMAIN, split, difficulty, seed, i), "domain": DOMAIN,
            "prompt": f"{d['item']['question'].rstrip()}\n\n{ANSWER_FORMAT}", "answer": d["answer"],
            "max_turns": MAX_TURNS,
-           "oracle": [common.turn(thinking=f"{d['thinking']}\nSo the answer is {d['answer']}.",
-                                  content=f"<answer>{d['answer']}</answer>")],
+           "oracle": [dict(common.turn(thinking=f"{d['thinking']}\nSo the answer is {d['answer']}.",
+                                       content=f"<answer>{d['answer']}</answer>"),
+                           thinking_by_tier=thinking_by_tier(d["thinking"], d["answer"]))],
            "meta": common.meta(DOMAIN, split, difficulty, seed, source=d["name"], rg_seed=d["rg_seed"],
                                rg_config=d["config"])}
     tasks.append(parse_task(obj, obj["id"]))
