@@ -11,3 +11,17 @@ def define_config_flag(required: bool = True):
   if required:
     flags.mark_flag_as_required("config")
   return holder
+
+
+def log_to_workdir(workdir: str, program: str) -> None:
+  """Sends absl (and orbax's) INFO lines to <workdir>/logs/<program>.INFO; the console keeps
+  warnings, errors and what the launcher prints itself (progress, the summary)."""
+  import os
+
+  from absl import logging
+  if "://" in workdir:  # a bucket: absl writes local files only, so logs stay on the console
+    return
+  logs = os.path.join(workdir, "logs")
+  os.makedirs(logs, exist_ok=True)
+  logging.get_absl_handler().use_absl_log_file(program, logs)
+  logging.set_stderrthreshold(logging.WARNING)

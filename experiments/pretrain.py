@@ -30,7 +30,7 @@ import json
 import jax
 from absl import app, flags
 
-from experiments.config_util import define_config_flag
+from experiments.config_util import define_config_flag, log_to_workdir
 from sharding import distributed
 from training.loop import run
 
@@ -52,6 +52,7 @@ def main(argv):
     raise app.UsageError("--workdir is required (a local path or a gs:// / s3:// URL).")
   distributed.initialize(_MODE.value, coordinator_address=_COORD.value, num_processes=_NPROC.value,
                          process_id=_PID.value, local_device_ids=_LOCAL.value)
+  log_to_workdir(_WORKDIR.value, f"pretrain.p{jax.process_index()}")
   summary = run(_CONFIG.value, _WORKDIR.value)
   if jax.process_index() == 0:
     print(json.dumps(summary), flush=True)

@@ -8,9 +8,9 @@
 Run the same command again to resume from <workdir>/checkpoints. Metrics go to the console,
 <workdir>/metrics.jsonl and TensorBoard (per-domain reward, success, tokens, entropy, TIS and
 KL diagnostics, mixture weights), a few whole episodes per step to
-<workdir>/trajectories.jsonl; `experiments.serve --checkpoint=<workdir>/checkpoints` serves
-the policy and `experiments.evaluate --checkpoint=...` evaluates it. Last line: the summary as
-JSON.
+<workdir>/trajectories.jsonl, absl/orbax INFO lines to <workdir>/logs/rl.INFO;
+`experiments.serve --checkpoint=<workdir>/checkpoints` serves the policy and
+`experiments.evaluate --checkpoint=...` evaluates it. Last line: the summary as JSON.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import json
 
 from absl import app, flags
 
-from experiments.config_util import define_config_flag
+from experiments.config_util import define_config_flag, log_to_workdir
 from rl.train.trainer import run
 
 _CONFIG = define_config_flag()
@@ -34,6 +34,7 @@ def main(argv):
   if _INIT.value:
     with config.unlocked():
       config.checkpoint.init_from = _INIT.value
+  log_to_workdir(_WORKDIR.value, "rl")
   summary = run(config, _WORKDIR.value)
   summary.pop("history", None)
   print(json.dumps(summary, default=str), flush=True)

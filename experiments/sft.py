@@ -16,7 +16,7 @@ import json
 
 from absl import app, flags
 
-from experiments.config_util import define_config_flag
+from experiments.config_util import define_config_flag, log_to_workdir
 from rl.sft.train import run_sft
 
 _CONFIG = define_config_flag()
@@ -30,6 +30,7 @@ def main(argv):
   config = _CONFIG.value
   if _INIT.value:
     config.checkpoint.init_from = _INIT.value
+  log_to_workdir(_WORKDIR.value, "sft")
   summary = run_sft(config, _WORKDIR.value)
   print(json.dumps(summary), flush=True)
 

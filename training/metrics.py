@@ -252,13 +252,15 @@ class MetricsLogger:
   """
 
   def __init__(self, workdir: str, *, total_steps: int, tensorboard: bool = True,
-               primary: bool | None = None, stream: TextIO | None = None):
+               primary: bool | None = None, stream: TextIO | None = None,
+               console_keys: tuple[str, ...] = ()):
     if not isinstance(total_steps, int) or total_steps < 1:
       raise ValueError(f"MetricsLogger: total_steps={total_steps!r} must be a positive int.")
     self.workdir = epath.Path(workdir)
     self.total_steps = total_steps
     self.primary = jax.process_index() == 0 if primary is None else bool(primary)
     self._stream = stream or sys.stdout
+    self.console_keys = tuple(console_keys)  # more scalars for the progress line (e.g. RL's reward)
     self._tty = bool(getattr(self._stream, "isatty", lambda: False)())
     self._records: list[dict] = []
     self._times: list[float] = []
@@ -335,6 +337,7 @@ class MetricsLogger:
       parts.append(f"tok/s {_fmt_count(record['tokens_per_s'])}")
     if isinstance(record.get("mfu"), float):
       parts.append(f"MFU {100 * record['mfu']:.2f}%")
+    parts += [f"{k} {record[k]:.3g}" for k in self.console_keys if isinstance(record.get(k), float)]
     parts.append(f"eta {self._eta(step)}")
     return " | ".join(parts)
 

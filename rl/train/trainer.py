@@ -358,7 +358,8 @@ def run(config, workdir: str) -> dict[str, Any]:
   use_async = bool(config.rl.async_rollouts)
   with mesh_lib.activate(r.mesh), futures.ThreadPoolExecutor(1, "rollouts") as pool:
     r.build()
-    logger = metrics_lib.MetricsLogger(workdir, total_steps=steps, tensorboard=config.metrics.tensorboard)
+    logger = metrics_lib.MetricsLogger(workdir, total_steps=steps, tensorboard=config.metrics.tensorboard,
+                                       console_keys=("reward", "success", "step_s"))
     history = []
     try:
       pending, staleness = None, 0

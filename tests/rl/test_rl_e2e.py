@@ -36,6 +36,9 @@ def straight(tmp_path_factory):
   run = subprocess.run(_cmd(base / "straight"), cwd=ROOT, env=subprocess_env(1), text=True,
                        capture_output=True, timeout=900)
   assert run.returncode == 0, run.stderr[-3000:]
+  # the console keeps progress and the summary; absl/orbax INFO lines go to <workdir>/logs
+  assert "checkpoint_manager.py" not in run.stderr and "step 4/4" in run.stdout and "success" in run.stdout
+  assert "checkpoint_manager.py" in (base / "straight" / "logs" / "rl.INFO").read_text()
   return base, json.loads(run.stdout.strip().splitlines()[-1])
 
 
