@@ -20,7 +20,7 @@ import math
 from absl import app, flags
 from etils import epath
 
-from experiments.config_util import define_config_flag
+from experiments.config_util import define_config_flag, log_to_workdir
 from training import quickstart
 
 _CONFIG = define_config_flag()
@@ -32,6 +32,7 @@ _TEMP = flags.DEFINE_float("temperature", 0.7, "Sampling temperature (0 = greedy
 
 def main(argv):
   del argv
+  log_to_workdir(_WORKDIR.value, "quickstart")
   r = quickstart.run(_CONFIG.value, _WORKDIR.value, prompt=_PROMPT.value, new_tokens=_NEW.value,
                      temperature=_TEMP.value)
   final, entropy = r["final_loss"], r["unigram_entropy"]
@@ -42,6 +43,7 @@ def main(argv):
   print(f"sample (temperature {_TEMP.value}):\n{_PROMPT.value}{r['sample']}\n")
   work = epath.Path(r["workdir"])
   print(f"metrics:     {work / 'metrics.jsonl'} (TensorBoard: {work / 'tensorboard'})")
+  print(f"logs:        {work / 'logs'}")
   print(f"checkpoints: {r['checkpoint_dir']} (latest step {r['latest_checkpoint']})")
   print(json.dumps({k: v for k, v in r.items() if k != "latest_checkpoint"}))
 
