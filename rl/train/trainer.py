@@ -167,12 +167,16 @@ class RLRun:
     sources: list[str] = []
     stats = {"groups": 0, "groups_dropped": 0, "rounds": 0, "episodes_played": 0}
     busy0 = self.executor.busy_s
+    played_success: list[float] = []
+    played_domains: list[str] = []
     for round_ in range(1 + int(self.rl.max_refills) if self.obj.dynamic_sampling else 1):
       jobs, srcs = self._jobs(step, round_)
       eps = asyncio.run(run_episodes(jobs, self.policy, self.executor, concurrency=self.engine.slots,
                                      config=self.loop_config))
       stats["rounds"] += 1
       stats["episodes_played"] += len(eps)
+      played_success += [float(e.success) for e in eps]
+      played_domains += [e.domain for e in eps]
       groups = batch_lib.group_ids(eps)
       stats["groups"] += len(set(groups))
       if self.obj.dynamic_sampling:
@@ -190,6 +194,11 @@ class RLRun:
         break
     self.last_played = eps
     stats["env_busy_s"] = self.executor.busy_s - busy0
+    # Success over every played episode: with dynamic sampling the trained batch holds only the
+    # groups with mixed outcomes, so its own `success` says nothing about how well the policy does.
+    stats["played_success"] = float(np.mean(played_success))
+    for d, v in batch_lib.domain_means(np.asarray(played_success), played_domains).items():
+      stats[f"played_success/{d}"] = v
     stats["generated_tokens"] = float(sum(e.generated_tokens for e in kept))
     return kept, sources, stats
 
@@ -359,7 +368,7 @@ def run(config, workdir: str) -> dict[str, Any]:
   with mesh_lib.activate(r.mesh), futures.ThreadPoolExecutor(1, "rollouts") as pool:
     r.build()
     logger = metrics_lib.MetricsLogger(workdir, total_steps=steps, tensorboard=config.metrics.tensorboard,
-                                       console_keys=("reward", "success", "step_s"))
+                                       console_keys=("reward", "played_success", "step_s"))
     history = []
     try:
       pending, staleness = None, 0

@@ -37,7 +37,8 @@ def straight(tmp_path_factory):
                        capture_output=True, timeout=900)
   assert run.returncode == 0, run.stderr[-3000:]
   # the console keeps progress and the summary; absl/orbax INFO lines go to <workdir>/logs
-  assert "checkpoint_manager.py" not in run.stderr and "step 4/4" in run.stdout and "success" in run.stdout
+  assert "checkpoint_manager.py" not in run.stderr
+  assert "step 4/4" in run.stdout and "played_success" in run.stdout
   assert "checkpoint_manager.py" in (base / "straight" / "logs" / "rl.INFO").read_text()
   return base, json.loads(run.stdout.strip().splitlines()[-1])
 
@@ -52,7 +53,7 @@ def test_run_logs_domains_trajectories_and_checkpoints(straight):
     for key in ("reward/math", "success/math", "response_tokens/math", "thinking_tokens/math", "turns/math",
                 "tool_errors/math", "truncated/math", "entropy/math", "groups_dropped", "mix/math",
                 "abs_dlogp", "rollout_kl", "tis_clip_frac", "clip_frac", "grad_norm", "rollout_s",
-                "update_s"):
+                "update_s", "played_success/math"):
       assert key in r and math.isfinite(r[key]), (key, r.get(key))
     assert r["episodes_played"] == 8 and r["finite"] == 1.0 and r["staleness"] == 0.0
     evaluated = "eval/success/math/high" in r
@@ -117,7 +118,7 @@ def test_dapo_with_reference_kl_and_dynamic_sampling(tmp_path):
   assert first["kl_ref"] == pytest.approx(0.0, abs=1e-6) and second["kl_ref"] > 0
   for r in (first, second):
     assert r["rounds"] >= 1 and r["episodes_played"] == 8 * r["rounds"]
-    assert r["groups_dropped"] <= r["groups"]
+    assert r["groups_dropped"] <= r["groups"] and 0.0 <= r["played_success/math"] <= 1.0
 
 
 @pytest.mark.slow
