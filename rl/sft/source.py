@@ -54,12 +54,16 @@ def oracle_conversations(tasks, ctx: EnvContext, config: LoopConfig, budgets: di
     return max((len(tokenizer.encode(turn_thinking(t, tier), allow_special=False)) for t in task.oracle),
                default=0)
 
+  plain: dict[str, list] = {}  # tasks played with their one default thinking, whatever the tier
+
   def tier_of(i, task) -> str:
-    fits = sft.tier_for_thinking(longest(task, None), budgets)
-    if not tiers:
-      return fits
-    drawn = names[np.random.default_rng([seed, i, 5]).choice(len(names), p=p / p.sum())]
-    return drawn if drawn in budgets and longest(task, drawn) <= budgets[drawn] else fits
+    if tiers:
+      drawn = names[np.random.default_rng([seed, i, 5]).choice(len(names), p=p / p.sum())]
+      if drawn in budgets and longest(task, drawn) <= budgets[drawn]:
+        return drawn
+    # the smallest tier holding the default thinking, played with that thinking (not the tier's)
+    plain[task.id] = [{k: v for k, v in t.items() if k != "thinking_by_tier"} for t in task.oracle]
+    return sft.tier_for_thinking(longest(task, None), budgets)
 
   jobs = [(t, tier_of(i, t), Sampling()) for i, t in enumerate(tasks)]
   executor = ThreadExecutor(ctx, workers=workers)
@@ -70,7 +74,7 @@ def oracle_conversations(tasks, ctx: EnvContext, config: LoopConfig, budgets: di
       return super().session(task, first, tools, tier, sampling)
 
   try:
-    episodes = asyncio.run(run_episodes(jobs, _Recorder(), executor, concurrency=workers, config=config))
+    episodes = asyncio.run(run_episodes(jobs, _Recorder(plain), executor, concurrency=workers, config=config))
   finally:
     executor.shutdown()
   out, failed = [], 0

@@ -171,14 +171,18 @@ def test_oracles_think_as_deep_as_the_drawn_tier(renderer):
                                 tiers=sft.parse_tier_mix("low=1,high=1,max=1"), seed=3)
   assert len(played) == len(tasks)  # every tier's oracle still answers correctly
   lengths: dict[str, list[int]] = {}
+  checks = 0
   for messages, _, tier, task in played:
     thinking = messages[-1].thinking
-    assert thinking == task.oracle[0]["thinking_by_tier"][tier] and thinking.endswith(
-        f"So the answer is {task['answer']}.")
+    # the tier's own thinking, or (a drawn tier too small for its thinking) the default thinking at
+    # the smallest tier that holds it
+    assert thinking in (task.oracle[0]["thinking_by_tier"][tier], task.oracle[0]["thinking"])
+    assert thinking.endswith(f"So the answer is {task['answer']}.")
+    checks += tier == "max" and "Check, working it again" in thinking
     n = len(tok.encode(thinking, allow_special=False))
     assert n <= budgets[tier], (tier, n)
     lengths.setdefault(tier, []).append(n)
-  assert set(lengths) == {"low", "high", "max"}
+  assert set(lengths) == {"low", "high", "max"} and checks >= 2
   assert max(lengths["low"]) < np.mean(lengths["high"]) < np.mean(lengths["max"])
   # a budget the low thinking cannot fit: the smallest tier holding the default thinking instead
   small = {"low": 2, "high": 128, "max": 512}
@@ -187,5 +191,11 @@ def test_oracles_think_as_deep_as_the_drawn_tier(renderer):
   fits = [sft.tier_for_thinking(len(tok.encode(t.oracle[0]["thinking"], allow_special=False)), small)
           for t in tasks[:4]]
   assert [tier for _, _, tier, _ in tight] == fits and "low" not in fits
+  # ... with the oracle's one default thinking, not that tier's (max's would be twice as long)
+  assert [m[-1].thinking for m, _, _, _ in tight] == [t.oracle[0]["thinking"] for t in tasks[:4]]
+  # without a tier mix likewise: the default thinking at the smallest tier that holds it
+  default = oracle_conversations(tasks[:4], EnvContext(), LoopConfig(default_max_turns=1),
+                                 {"low": 2, "max": 96}, tok, workers=2)
+  assert [m[-1].thinking for m, _, _, _ in default] == [t.oracle[0]["thinking"] for t in tasks[:4]]
   with pytest.raises(ValueError, match="config.sft.tiers: unknown tier 'medium'"):
     sft.parse_tier_mix("medium", "config.sft.tiers")
