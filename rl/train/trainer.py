@@ -169,6 +169,7 @@ class RLRun:
     busy0 = self.executor.busy_s
     played_success: list[float] = []
     played_domains: list[str] = []
+    played_sources: list[str] = []
     for round_ in range(1 + int(self.rl.max_refills) if self.obj.dynamic_sampling else 1):
       jobs, srcs = self._jobs(step, round_)
       eps = asyncio.run(run_episodes(jobs, self.policy, self.executor, concurrency=self.engine.slots,
@@ -177,6 +178,7 @@ class RLRun:
       stats["episodes_played"] += len(eps)
       played_success += [float(e.success) for e in eps]
       played_domains += [e.domain for e in eps]
+      played_sources += srcs
       groups = batch_lib.group_ids(eps)
       stats["groups"] += len(set(groups))
       if self.obj.dynamic_sampling:
@@ -199,6 +201,8 @@ class RLRun:
     stats["played_success"] = float(np.mean(played_success))
     for d, v in batch_lib.domain_means(np.asarray(played_success), played_domains).items():
       stats[f"played_success/{d}"] = v
+    # what the adaptive mixture learns from (popped before logging): per source, every episode
+    stats["by_source"] = batch_lib.domain_means(np.asarray(played_success), played_sources)
     stats["generated_tokens"] = float(sum(e.generated_tokens for e in kept))
     return kept, sources, stats
 
@@ -374,7 +378,8 @@ def run(config, workdir: str) -> dict[str, Any]:
       pending, staleness = None, 0
       for step in range(r.start, steps):
         t0 = time.perf_counter()
-        episodes, sources, stats = pending.result() if pending is not None else r.rollout(step)
+        episodes, _, stats = pending.result() if pending is not None else r.rollout(step)
+        by_source = stats.pop("by_source")
         t_roll = time.perf_counter() - t0
         sampler_state = r.sampler.get_state()  # before the next step's draws (what a resume redoes)
         pending = pool.submit(r.rollout, step + 1) if use_async and step + 1 < steps else None
@@ -384,9 +389,7 @@ def run(config, workdir: str) -> dict[str, Any]:
         if pending is not None:  # the engine finishes the next step's rollouts, then takes the weights
           futures.wait([pending])
           m["sync_s"] = r.sync_weights()
-        if episodes:
-          r.sampler.adaptive.observe(batch_lib.domain_means(
-              np.array([e.success for e in episodes], float), sources))
+        r.sampler.adaptive.observe(by_source)  # success of every played episode, not just the kept
         m.update({f"mix/{s}": w for s, w in r.sampler.adaptive.weights().items()})
         m.update(stats, rollout_s=t_roll, step_s=time.perf_counter() - t0, staleness=float(staleness))
         staleness = 1 if pending is not None else 0
