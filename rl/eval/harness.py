@@ -30,8 +30,8 @@ def tier_name(tier: str | None) -> str:
   return TIER_OFF if tier is None else tier
 
 
-def parse_tiers(text: str) -> list[str | None]:
-  """'low,high,max' -> tiers; 'off' (or 'none') is thinking off."""
+def parse_tiers(text: str, field: str = "--tiers") -> list[str | None]:
+  """'low,high,max' -> tiers; 'off' (or 'none') is thinking off; errors name `field`."""
   out: list[str | None] = []
   for part in (p.strip() for p in text.split(",") if p.strip()):
     if part in ("off", "none"):
@@ -39,9 +39,9 @@ def parse_tiers(text: str) -> list[str | None]:
     elif part in ("low", "high", "max"):
       out.append(part)
     else:
-      raise ValueError(f"--tiers: unknown tier {part!r}; use low, high, max or off")
+      raise ValueError(f"{field}: unknown tier {part!r}; use low, high, max or off")
   if not out:
-    raise ValueError("--tiers is empty; e.g. --tiers=low,high,max")
+    raise ValueError(f"{field} is empty; e.g. {field}=low,high,max")
   return out
 
 

@@ -322,7 +322,7 @@ class RLRun:
       tasks += generators.generate(source, split="heldout", difficulty=level, n=int(rl.eval_n))
     if not tasks or jax.process_index() != 0:
       return {}
-    tiers = [None if t == "off" else t for t in parse_tier_mix(rl.eval_tiers, "config.rl.eval_tiers")]
+    tiers = harness.parse_tiers(rl.eval_tiers, "config.rl.eval_tiers")
     sampling = Sampling(temperature=0.0, seed=int(rl.seed),
                         max_tokens_per_turn=int(self.config.env.max_tokens_per_turn))
     out_dir = epath.Path(self.workdir) / "eval" / f"step_{step}"
