@@ -73,6 +73,9 @@ def get_config(arg: str = "grpo") -> ml_collections.ConfigDict:
   config.train.update(learning_rate=1e-4, warmup_steps=2, end_lr_fraction=1.0)
   config.checkpoint.every = 10
   config.metrics.log_every = 1
+  # Rollouts reuse cached prompt prefixes (the group's samples share their prompt) only where
+  # that is bit-identical to a cold prefill, so a resumed run repeats its episodes exactly.
+  config.serving.prefix_cache_exact = True
   if variant in ("tiny", "tiny_sharded"):  # tests: seconds-long steps
     config.rl.update(steps=3, prompts_per_step=2, samples_per_prompt=4, mixture="math=1",
                      micro_batch=4, pad_multiple=64, eval_n=4)

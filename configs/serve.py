@@ -28,6 +28,9 @@ _BUDGETS = {
 _SLOTS = {"tiny": 4, "tiny_sharded": 4, "small": 16, "agent": 32, "full": 64}
 _CONTEXT = {"tiny": 256, "tiny_sharded": 256, "small": 2048, "agent": 2048, "full": 131072}
 _CHUNK = {"tiny": 32, "tiny_sharded": 32, "small": 128, "agent": 256, "full": 8192}
+# Prefix cache (serving/prefix_cache.py): memory budget and tokens per block (divides the chunk).
+_PREFIX_MB = {"tiny": 64, "tiny_sharded": 64, "small": 1024, "agent": 1024, "full": 65536}
+_PREFIX_BLOCK = {"tiny": 16, "tiny_sharded": 16, "small": 64, "agent": 64, "full": 256}
 
 
 def _serving(variant: str) -> ml_collections.ConfigDict:
@@ -41,6 +44,13 @@ def _serving(variant: str) -> ml_collections.ConfigDict:
   s.max_context = _CONTEXT[variant]
   s.prefill_chunk = _CHUNK[variant]
   s.max_queue = 1024  # waiting requests beyond this get 429/overloaded
+  # Prefix cache: a request reuses the longest cached prefix of its prompt (per-block DSA state
+  # and delta-state snapshots at block ends) and prefills the rest; LRU within the budget.
+  s.prefix_cache_mb = _PREFIX_MB[variant]  # 0 = off
+  s.prefix_cache_block = _PREFIX_BLOCK[variant]  # tokens per block; divides prefill_chunk
+  # True: cache only prefill chunks, resume only at multiples of prefill_chunk, so a resumed
+  # request is bit-identical to a cold one (RL sets it); False: completions are cached too.
+  s.prefix_cache_exact = False
   s.default_max_tokens = 256  # OpenAI requests without max_(completion_)tokens
   s.seed = 0  # engine RNG for requests without a seed
   low, high, mx = _BUDGETS[variant]

@@ -2,13 +2,14 @@
 
 Why prefill and decode are separate calls with fixed shapes: a request's
 numerics must not depend on what else runs. Prefill runs one row's chunk per
-call ([1, C], the row sliced out of the decode state and written back), so its
-cost follows the rows that prefill: a [S, C] call would compute S chunks for
-one new request, and under agent traffic some row prefills at almost every
-iteration. Every computation in the model is
-per row (attention, the delta rule, dropless MoE whose per-token result does
-not depend on the other tokens' routing), each jitted program has one shape
-(the prefill always takes image patches, zeros when a chunk has none), and
+call ([1, W], W the smallest of C, C/2, C/4 that holds the chunk; the row
+sliced out of the decode state and written back), so its cost follows the
+rows that prefill: a [S, C] call would compute S chunks for one new request,
+and under agent traffic some row prefills at almost every iteration. Every
+computation in the model is per row (attention, the delta rule, dropless MoE
+whose per-token result does not depend on the other tokens' routing), a
+chunk's shape depends on the request alone (the prefill always takes image
+patches, zeros when a chunk has none), and
 sampling is `vmap`ped per row with a per-request key
 `fold_in(fold_in(PRNGKey(seed), 0), n_generated)` (serving/sampling.py); so
 the same request and seed give bit-identical tokens alone or among others, in
@@ -58,6 +59,13 @@ class Slot:
   pending: int | None = None  # the last sampled token, fed by the next decode step
   last_time: float = 0.0
   routing: list[np.ndarray] | None = None  # record_routing: int32 [n, layers, k] per fed chunk
+  # Prefix cache (serving/prefix_cache.py): the blocks this row loaded or wrote, block 0 first
+  # (held until it finishes); the keys of its blocks so far; the cache epoch it was admitted in
+  # (-1: it adds nothing); the image part of its keys.
+  chain: list = dataclasses.field(default_factory=list)
+  keys: list[bytes] = dataclasses.field(default_factory=list)
+  cache_epoch: int = -1
+  image_extra: Callable[[int, int], bytes] | None = None
 
   @property
   def params(self) -> SamplingParams:
@@ -71,9 +79,10 @@ class Slot:
 def compile_programs(graphdef: nnx.GraphDef) -> dict[str, Callable]:
   """The engine's jitted programs (pure; the model enters as graphdef + state).
 
-  prefill(state, cache, row, tokens [1, C], length [1], image_embeds [1, C, d]) -> (last logits [V],
-  cache, routed [C, layers, k]): one chunk of one row; decode(state, cache, tokens [S], valid bool
-  [S]) -> (logits [S, V], cache, routed [S, layers, k]); routed: the MoE experts of each fed token
+  prefill(state, cache, row, tokens [1, W], length [1], image_embeds [1, W, d]) -> (last logits [V],
+  cache, routed [W, layers, k]): one chunk of one row (W: a prefill width); decode(state, cache,
+  tokens [S], valid bool [S]) -> (logits [S, V], cache, routed [S, layers, k]); routed: the MoE
+  experts of each fed token
   (None without MoE layers); reset(cache, rows bool [S]) zeroes rows; encode(state, images
   [1, H, W, C]) -> patches;
   sample: serving.sampling.sample_rows. The decode state (prefill/decode argument 1, reset
@@ -83,7 +92,7 @@ def compile_programs(graphdef: nnx.GraphDef) -> dict[str, Callable]:
   def prefill(state, cache, row, tokens, length, image_embeds):
     # One row's chunk: its decode state is sliced out of the batch, extended and written back
     # in place (the cache is donated), so prefill costs the chunk of the rows that prefill,
-    # not S chunks, and has one shape whatever else runs.
+    # not S chunks, and its shape depends on the chunk alone, not on what else runs.
     model = nnx.merge(graphdef, state)
     sub = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, row, 1, axis=0), cache)
     logits, sub, routed = model.prefill(tokens, length, sub, image_embeds=image_embeds,

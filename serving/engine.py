@@ -6,15 +6,21 @@ decode state (`Horizon.init_cache`) of `slots` rows x `max_context` tokens.
 One background thread loops:
 
   1. admit waiting requests (FIFO) into free slots: zero the slot's row
-     (`reset_cache_rows`), encode the request's images once;
+     (`reset_cache_rows`), encode the request's images once, and load the
+     longest cached prefix of its prompt (serving/prefix_cache.py), so only
+     the rest is prefilled;
   2. prefill ONE chunk for every slot still prefilling, one jitted
-     [1, prefill_chunk] call per such row (its decode state sliced out and
-     written back in place), so prefill costs what the prefilling rows need;
+     [1, width] call per such row (its decode state sliced out and written
+     back in place; width: the smallest of prefill_chunk, /2, /4 holding the
+     chunk), so prefill costs what the prefilling rows need;
   3. one jitted decode step [slots] for every decoding slot (a valid mask
      keeps idle and prefilling rows untouched);
   4. sample every row that got logits (jitted, per row), hand the tokens to
      the requests' processors and deliver events; finished slots are freed
      at once and refilled at the next iteration.
+
+Steps 2 and 3 add to the prefix cache every block a row completes (with a
+snapshot of the delta layers' state where the row stands on a block's end).
 
 Why prefill and decode are separate calls with fixed shapes (a request's
 numerics must not depend on what else runs): serving/batch.py, which holds
@@ -52,6 +58,7 @@ from serving.admission import validate_request
 from serving.batch import Slot
 from serving.handle import Event, Handle, OverloadedError, Request, RequestError
 from serving.metrics import EngineMetrics
+from serving.prefix_cache import PrefixCache, block_keys, cache_programs, check_cacheable, image_extra_fn
 from serving.types import Delta, SamplingParams, Usage
 
 __all__ = ["Engine", "Event", "Handle", "OverloadedError", "Request", "RequestError", "build_engine"]
@@ -73,10 +80,16 @@ class Engine:
     prefill_chunk: prompt tokens prefilled per row per iteration.
     seed: draws the seeds of requests that give none.
     max_queue: waiting requests beyond this raise OverloadedError.
+    prefix_cache_mb: memory for the prefix cache (serving/prefix_cache.py); 0 = off.
+    prefix_cache_block: tokens per cached block; divides prefill_chunk.
+    prefix_cache_exact: cache only what prefill chunks computed and resume only at multiples of
+      prefill_chunk, so a resumed request is bit-identical to a cold one (RL's reproducibility);
+      False also caches blocks decode steps complete (a completion is reused by the next turn).
   """
 
   def __init__(self, model: Any, tokenizer: Any, *, slots: int, max_context: int, prefill_chunk: int,
-               seed: int = 0, max_queue: int = 1024):
+               seed: int = 0, max_queue: int = 1024, prefix_cache_mb: float = 0.0,
+               prefix_cache_block: int = 16, prefix_cache_exact: bool = False):
     cfg = model.cfg
     for name, v in (("slots", slots), ("max_context", max_context), ("prefill_chunk", prefill_chunk),
                     ("max_queue", max_queue)):
@@ -107,7 +120,29 @@ class Engine:
     # without placeholders. The prefill always takes image_embeds [1, C, d] (the size of one
     # chunk's activations), so one program serves chunks with and without images.
     self._all_allowed = jnp.ones((slots, self.vocab_size), bool)
-    self._no_images = jnp.zeros((1, prefill_chunk, cfg.d_model), cfg.jnp_dtype)
+    # A chunk runs at the smallest of these lengths that holds it (one program each), so the
+    # short last chunk of a prompt (all that is left after a prefix-cache hit) costs its size,
+    # not a whole chunk's. A request's chunks and shapes depend on its prompt alone.
+    self.prefill_buckets = tuple(sorted({prefill_chunk // d for d in (1, 2, 4) if prefill_chunk // d}))
+    self._no_images = {b: jnp.zeros((1, b, cfg.d_model), cfg.jnp_dtype) for b in self.prefill_buckets}
+    self.prefix = self._build_prefix_cache(prefix_cache_mb, prefix_cache_block)
+    self.prefix_exact = bool(prefix_cache_exact)
+    self._evictions_seen = 0
+
+  def _build_prefix_cache(self, mb: float, block: int) -> PrefixCache | None:
+    if isinstance(mb, bool) or not isinstance(mb, (int, float)) or mb < 0:
+      raise ValueError(f"Engine: prefix_cache_mb={mb!r} must be a number >= 0 (0 = off; "
+                       "config.serving.prefix_cache_mb).")
+    if not mb:
+      return None
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1 or self.prefill_chunk % block:
+      raise ValueError(f"Engine: prefix_cache_block={block!r} must be a positive divisor of "
+                       f"prefill_chunk={self.prefill_chunk} (config.serving.prefix_cache_block), so every "
+                       "full prefill chunk ends on a block boundary.")
+    check_cacheable(self._cache)
+    self._prefix_fns = cache_programs(block)
+    self.metrics.prefix_capacity.set(int(mb * 2**20))
+    return PrefixCache(block, int(mb * 2**20))
 
   # ---- lifecycle ------------------------------------------------------------------
   @property
@@ -150,6 +185,9 @@ class Engine:
     state = nnx.state(model if model is not None else self.model)
     with self._step_lock:
       self._state = state
+      if self.prefix is not None:  # cached states belong to the old weights
+        self.prefix.clear()
+        self._update_gauges()
 
   def _wake(self) -> None:
     with self._cond:
@@ -274,6 +312,7 @@ class Engine:
 
   def _admit(self) -> None:
     reset = np.zeros(self.slots, bool)
+    admitted = []
     for i in range(self.slots):
       if self._rows[i] is not None:
         continue
@@ -295,9 +334,70 @@ class Engine:
         continue
       self._rows[i] = slot
       reset[i] = True
+      admitted.append((i, slot))
       self.metrics.prompt_tokens.inc(len(slot.prompt))
     if reset.any():
       self._cache = self._fns["reset"](self._cache, jnp.asarray(reset))
+    for i, slot in admitted:
+      self._reuse_prefix(i, slot)
+
+  # ---- prefix cache (serving/prefix_cache.py) ---------------------------------------
+  def _reuse_prefix(self, i: int, s: Slot) -> None:
+    """Loads the longest cached prefix of row i's prompt (leaving >= 1 token to prefill)."""
+    pc = self.prefix
+    if pc is None:
+      return
+    s.cache_epoch = pc.epoch
+    s.image_extra = image_extra_fn(s.prompt, s.handle.request.images, self.cfg.image_token_id)
+    s.keys = block_keys(b"", s.prompt, pc.block, 0, (len(s.prompt) - 1) // pc.block, s.image_extra)
+    chain = pc.longest(s.keys, need_routing=s.routing is not None)
+    if not chain:
+      return
+    pc.touch(chain)
+    row = np.int32(i)
+    for b in chain:
+      b.refs += 1
+      self._cache = self._prefix_fns["put_tokens"](self._cache, row, np.int32(b.index * pc.block), b.tokens)
+    end = len(chain) * pc.block
+    self._cache = self._prefix_fns["put_state"](self._cache, row, chain[-1].state, np.int32(end))
+    s.chain = chain
+    s.fed = s.cache_len = end
+    s.images_fed = int(np.sum(s.prompt[:end] == self.cfg.image_token_id))
+    if s.routing is not None:
+      s.routing = [b.routing for b in chain]
+    self.metrics.prefix_reused_tokens.inc(end)
+
+  def _cache_blocks(self, i: int, decoded: bool = False) -> None:
+    """Caches the blocks row i has completed since the last call (decoded: by a decode step); a
+    snapshot where it stands on a block's end (exact mode: on a multiple of prefill_chunk)."""
+    pc, s = self.prefix, self._rows[i]
+    if pc is None or s.cache_epoch != pc.epoch or (decoded and self.prefix_exact):
+      return
+    B, fns, row = pc.block, self._prefix_fns, np.int32(i)
+    while (len(s.chain) + 1) * B <= s.cache_len:
+      j = len(s.chain)
+      if j >= len(s.keys):
+        fed = np.concatenate([s.prompt, np.asarray(s.generated, np.int32)])[:(j + 1) * B]
+        s.keys += block_keys(s.keys[-1] if s.keys else b"", fed, B, len(s.keys), j + 1 - len(s.keys),
+                             s.image_extra)
+      at_end = (j + 1) * B == s.cache_len and not (self.prefix_exact and s.cache_len % self.prefill_chunk)
+      routing = np.concatenate(s.routing)[j * B:(j + 1) * B] if s.routing else None
+      b = pc.get(s.keys[j])
+      if b is None:
+        tokens = fns["take_tokens"](self._cache, row, np.int32(j * B))
+        state = fns["take_state"](self._cache, row) if at_end else None
+        b = pc.add(s.keys[j], s.chain[-1] if s.chain else None, j, tokens, state, routing)
+        if b is None:  # no room even after evicting: this request caches nothing more
+          s.cache_epoch = -1
+          return
+      else:
+        if at_end and b.state is None:
+          pc.add_state(b, fns["take_state"](self._cache, row))
+        if b.routing is None and routing is not None:
+          pc.add_routing(b, routing)
+        pc.touch([b])
+      b.refs += 1
+      s.chain.append(b)
 
   def _encode_images(self, images: np.ndarray | None) -> np.ndarray | None:
     if images is None or len(images) == 0:
@@ -318,12 +418,13 @@ class Engine:
     for i in rows:
       s = self._rows[i]
       chunk = s.prompt[s.fed:s.fed + c]
-      tokens = np.zeros((1, c), np.int32)
+      width = next(b for b in self.prefill_buckets if b >= len(chunk))
+      tokens = np.zeros((1, width), np.int32)
       tokens[0, :len(chunk)] = chunk
-      embeds = self._no_images
+      embeds = self._no_images[width]
       n_img = int(np.sum(chunk == self.cfg.image_token_id))
       if n_img:  # this chunk's placeholders take the request's next n_img patches, in order
-        patches = np.zeros((1, c, self.cfg.d_model), np.float32)
+        patches = np.zeros((1, width, self.cfg.d_model), np.float32)
         patches[0, :n_img] = s.patches[s.images_fed:s.images_fed + n_img]
         s.images_fed += n_img
         embeds = jnp.asarray(patches, self.cfg.jnp_dtype)
@@ -334,6 +435,7 @@ class Engine:
         s.routing.append(np.asarray(routed[:len(chunk)]))
       s.fed += len(chunk)
       s.cache_len += len(chunk)
+      self._cache_blocks(i)
       done[i] = s.fed == len(s.prompt)
       if done[i]:
         finished.append((i, logits))
@@ -361,6 +463,9 @@ class Engine:
       host = np.asarray(routed)
       for i in recording:
         self._rows[i].routing.append(host[i:i + 1])
+    if self.prefix is not None:
+      for i in np.flatnonzero(valid):
+        self._cache_blocks(int(i), decoded=True)
     return logits, valid
 
   # ---- sampling and delivery ------------------------------------------------------
@@ -425,6 +530,8 @@ class Engine:
     """Ends row i's request with `reason` and frees the slot (its row is zeroed on reuse)."""
     s = self._rows[i]
     self._rows[i] = None
+    for b in s.chain:  # the prefix cache may evict them now
+      b.refs -= 1
     routing = np.concatenate(s.routing).astype(np.int32) if s.routing else None
     self._finish_handle(s.handle, reason, len(s.generated), token_ids, deltas, logprobs, routing)
 
@@ -457,6 +564,12 @@ class Engine:
     self.metrics.context_used.set(sum(s.cache_len for s in busy))
     with self._cond:
       self.metrics.queue_length.set(len(self._waiting))
+    pc = self.prefix
+    if pc is not None:
+      self.metrics.prefix_blocks.set(len(pc))
+      self.metrics.prefix_bytes.set(pc.nbytes)
+      self.metrics.prefix_evictions.inc(pc.evictions - self._evictions_seen)
+      self._evictions_seen = pc.evictions
 
 
 def build_engine(config: Any, checkpoint: str | None = None) -> Engine:
@@ -490,4 +603,6 @@ def build_engine(config: Any, checkpoint: str | None = None) -> Engine:
       run.get("variant") or config.get("variant", "tiny"))
   tokenizer = load_tokenizer(path, model_vocab_size=cfg.vocab_size, image_token_id=cfg.image_token_id)
   return Engine(model, tokenizer, slots=s.slots, max_context=s.max_context,
-                prefill_chunk=s.prefill_chunk, seed=s.seed, max_queue=s.max_queue)
+                prefill_chunk=s.prefill_chunk, seed=s.seed, max_queue=s.max_queue,
+                prefix_cache_mb=s.prefix_cache_mb, prefix_cache_block=s.prefix_cache_block,
+                prefix_cache_exact=s.prefix_cache_exact)

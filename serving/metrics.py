@@ -21,11 +21,17 @@ Series (`EngineMetrics`):
   horizon_slots_used / horizon_slots_total  batch slots holding a request / all slots
   horizon_context_tokens_used               tokens held in the decode states of busy slots
   horizon_context_tokens_capacity           slots * max_context
+  horizon_prefix_cache_reused_tokens_total  prompt tokens loaded from the prefix cache instead
+                                            of prefilled (serving/prefix_cache.py)
+  horizon_prefix_cache_hit_rate             reused / prompt tokens since start (the per-window
+                                            rate: rate(reused_total) / rate(prompt_tokens_total))
+  horizon_prefix_cache_blocks               cached blocks
+  horizon_prefix_cache_evictions_total      blocks evicted to make room
+  horizon_prefix_cache_bytes / _capacity_bytes  memory held by the blocks / the budget
 
 The client also writes a `*_created` timestamp per counter and histogram
-(part of the OpenMetrics model). There is no prefix cache (every request
-prefills its whole prompt into a zeroed slot), so no prefix-cache hit rate is
-reported.
+(part of the OpenMetrics model). The prefix-cache series stay 0 when the cache is off
+(config.serving.prefix_cache_mb=0).
 """
 
 from __future__ import annotations
@@ -93,8 +99,25 @@ class EngineMetrics:
                               "Tokens held in the decode states of busy slots.", registry=reg)
     self.context_capacity = Gauge("horizon_context_tokens_capacity",
                                   "Decode-state capacity in tokens (slots x max_context).", registry=reg)
+    self.prefix_reused_tokens = Counter(
+        "horizon_prefix_cache_reused_tokens_total",
+        "Prompt tokens loaded from the prefix cache instead of prefilled.", registry=reg)
+    self.prefix_hit_rate = Gauge("horizon_prefix_cache_hit_rate",
+                                 "Prefix-cache reused tokens / prompt tokens since start.", registry=reg)
+    self.prefix_hit_rate.set_function(self._hit_rate)
+    self.prefix_blocks = Gauge("horizon_prefix_cache_blocks", "Blocks in the prefix cache.", registry=reg)
+    self.prefix_evictions = Counter("horizon_prefix_cache_evictions_total",
+                                    "Prefix-cache blocks evicted to make room.", registry=reg)
+    self.prefix_bytes = Gauge("horizon_prefix_cache_bytes", "Memory held by prefix-cache blocks.",
+                              registry=reg)
+    self.prefix_capacity = Gauge("horizon_prefix_cache_capacity_bytes", "The prefix cache's memory budget.",
+                                 registry=reg)
     self.slots_total.set(slots)
     self.context_capacity.set(slots * max_context)
+
+  def _hit_rate(self) -> float:
+    prompt = self.prompt_tokens.value()
+    return self.prefix_reused_tokens.value() / prompt if prompt else 0.0
 
   def count_request(self, status: str) -> None:
     """One more request that ended (or was refused) with `status`."""

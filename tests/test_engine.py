@@ -413,7 +413,7 @@ def test_build_engine_from_checkpoint(engine, tmp_path):
     ckpt.save(3, model=engine.model, config=run.to_dict())
   config = serve.get_config("tiny")
   config.model.d_model = 64  # a model these weights do not fit: must be ignored
-  config.serving.update(slots=2, max_context=48, prefill_chunk=8)
+  config.serving.update(slots=2, max_context=48, prefill_chunk=8, prefix_cache_block=8)
   loaded = build_engine(config, str(tmp_path / "ckpt"))
   assert loaded.cfg == engine.cfg and (loaded.slots, loaded.max_context) == (2, 48)
   want, got = nnx.state(engine.model, nnx.Param), nnx.state(loaded.model, nnx.Param)

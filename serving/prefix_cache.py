@@ -1,0 +1,287 @@
+"""Prefix caching for the hybrid model: per-block DSA state plus delta-state snapshots at boundaries.
+
+Agents resend their whole history every turn and the chat format is append-only, so a
+turn's prompt starts with the previous turn's prompt and completion. The engine keeps
+what it computed for such prefixes and prefills only the rest.
+
+The two layer kinds keep different decode state (model/attention):
+  - a Gated DSA layer keeps per-token state (`DSACache`: MLA latent, RoPE key, indexer key
+    at position i), which can be cut anywhere;
+  - a delta layer keeps a fixed-size recurrent state and conv history (`DeltaCache`),
+    which is the state after *all* tokens so far and cannot be cut at an arbitrary token.
+
+So the cache works in blocks of `block` tokens (block j holds tokens [j*B, (j+1)*B)):
+every block stores the DSA layers' per-token state of its B tokens, and a block may also
+hold a *snapshot* of every delta layer's state (and each DSA layer's length) taken when
+a row's decode state ended exactly at the block's end. A request resumes from the end of
+the longest chain of cached blocks whose last block has a snapshot. Snapshots are taken
+wherever a row's state stands on a boundary: at the end of each prefill chunk (chunks
+start on a boundary and `prefill_chunk` is a multiple of B, so every full chunk ends on
+one) and whenever decoding crosses one (so a completion is cached for the next turn).
+
+Keys: block j's key is a hash of block j-1's key, its B token ids and, for image
+placeholders among them, the digests of the images they show and the placeholder
+numbers; so a key names all tokens (and images) up to its block's end, as in vLLM's
+hashed blocks. Blocks form a tree through their parent; eviction is LRU among blocks
+with no cached child and no running request holding them (a running request holds the
+chain it loaded and the blocks it wrote until it finishes), so a cached block's
+ancestors are always cached. New weights (`Engine.update_weights`) empty the cache.
+
+Numerics: a resumed request computes its suffix from a state that the original request
+computed with another split into prefill chunks and decode steps, so its logits may
+differ from a cold run in the last bits (as in every engine that caches prefixes); greedy
+outputs are token-identical with the cache on and off in our tests (tests/test_prefix_cache.py).
+
+Memory: the budget (bytes) bounds the blocks' device arrays; a block that would not fit
+after evicting every evictable block is not cached (the request runs on, uncached).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from model.attention.delta import DeltaCache
+from model.attention.dsa import DSACache
+
+__all__ = ["Block", "PrefixCache", "block_keys", "cache_programs", "check_cacheable", "image_extra_fn"]
+
+_DIGEST = 16
+
+
+@dataclasses.dataclass(eq=False)
+class Block:
+  """One cached block of `block` tokens (see the module docstring)."""
+  key: bytes
+  parent: Block | None
+  index: int  # covers tokens [index * B, (index + 1) * B)
+  tokens: Any  # per layer: (latent, k_rope, index_k) [B, .] for DSA layers, None for delta layers
+  nbytes: int
+  state: Any | None = None  # the snapshot at the block's end, or None
+  routing: np.ndarray | None = None  # int32 [B, moe_layers, k]: the experts of its tokens, if recorded
+  refs: int = 0  # running requests holding it
+  children: int = 0  # cached blocks whose parent it is
+
+
+
+def _nbytes(tree: Any) -> int:
+  return sum(int(a.nbytes) for a in jax.tree.leaves(tree))
+
+
+def block_keys(prev: bytes, tokens: np.ndarray, block: int, first: int, count: int,
+               image_extra: Callable[[int, int], bytes] | None = None) -> list[bytes]:
+  """Keys of blocks first .. first+count-1 of `tokens` (all tokens from position 0), chained from
+  `prev` (the key of block first-1, b"" for the first block).
+
+  image_extra(start, end) -> bytes: what the images shown at placeholders in [start, end) add
+  to the key (b"" when none).
+  """
+  keys = []
+  for j in range(first, first + count):
+    h = hashlib.blake2b(prev, digest_size=_DIGEST)
+    span = np.ascontiguousarray(tokens[j * block:(j + 1) * block], np.int32)
+    if len(span) != block:
+      raise ValueError(f"block {j} needs tokens up to {(j + 1) * block}, have {len(tokens)}")
+    h.update(span.tobytes())
+    if image_extra is not None:
+      h.update(image_extra(j * block, (j + 1) * block))
+    prev = h.digest()
+    keys.append(prev)
+  return keys
+
+
+def image_extra_fn(prompt: np.ndarray, images: np.ndarray | None,
+                   image_token_id: int) -> Callable[[int, int], bytes] | None:
+  """image_extra for `block_keys`: digests of the images whose patches fill [start, end)'s
+  placeholders, with the placeholders' numbers; None when the request has no images."""
+  if images is None or len(images) == 0:
+    return None
+  marks = np.concatenate([[0], np.cumsum(prompt == image_token_id)])
+  per_image = max(1, int(marks[-1]) // len(images))
+  digests = [hashlib.blake2b(np.ascontiguousarray(img, np.float32).tobytes()
+                             + str(img.shape).encode(), digest_size=_DIGEST).digest() for img in images]
+
+  def extra(start: int, end: int) -> bytes:
+    a, b = int(marks[min(start, len(prompt))]), int(marks[min(end, len(prompt))])
+    if a == b:
+      return b""
+    out = [a.to_bytes(8, "little"), b.to_bytes(8, "little")]
+    out += [digests[k] for k in range(a // per_image, (b - 1) // per_image + 1)]
+    return b"".join(out)
+
+  return extra
+
+
+def cache_programs(block: int) -> dict[str, Callable]:
+  """Jitted copies between a batch decode state (`Horizon.init_cache`) and blocks.
+
+  take_tokens(cache, row, start) -> per layer (latent, k_rope, index_k) [B, .] | None;
+  take_state(cache, row) -> per layer (state, conv) | None (delta layers);
+  put_tokens(cache, row, start, tokens) and put_state(cache, row, state, length) write them
+  back (the cache is donated); put_state also sets every DSA layer's length of the row.
+  """
+
+  def take_tokens(cache, row, start):
+    def one(c):
+      if not isinstance(c, DSACache):
+        return None
+      return tuple(jax.lax.dynamic_slice_in_dim(jax.lax.dynamic_index_in_dim(a, row, 0, keepdims=False),
+                                                start, block, axis=0)
+                   for a in (c.latent, c.k_rope, c.index_k))
+    return [one(c) for c in cache]
+
+  def take_state(cache, row):
+    return [(jax.lax.dynamic_index_in_dim(c.state, row, 0, keepdims=False),
+             jax.lax.dynamic_index_in_dim(c.conv, row, 0, keepdims=False))
+            if isinstance(c, DeltaCache) else None for c in cache]
+
+  def put_tokens(cache, row, start, tokens):
+    out = []
+    for c, t in zip(cache, tokens, strict=True):
+      if isinstance(c, DSACache):
+        zero = jnp.zeros((), jnp.int32)
+        lat, rope, idx = (jax.lax.dynamic_update_slice(a, v[None].astype(a.dtype), (row, start, zero))
+                          for a, v in zip((c.latent, c.k_rope, c.index_k), t, strict=True))
+        c = c.replace(latent=lat, k_rope=rope, index_k=idx)
+      out.append(c)
+    return out
+
+  def put_state(cache, row, state, length):
+    out = []
+    for c, s in zip(cache, state, strict=True):
+      if isinstance(c, DeltaCache):
+        zero = jnp.zeros((), jnp.int32)
+        c = c.replace(state=jax.lax.dynamic_update_slice(c.state, s[0][None], (row, zero, zero, zero)),
+                      conv=jax.lax.dynamic_update_slice(c.conv, s[1][None].astype(c.conv.dtype),
+                                                        (row, zero, zero)))
+      elif isinstance(c, DSACache):
+        c = c.replace(lengths=c.lengths.at[row].set(length))
+      out.append(c)
+    return out
+
+  return {"take_tokens": jax.jit(take_tokens), "take_state": jax.jit(take_state),
+          "put_tokens": jax.jit(put_tokens, donate_argnums=(0,)),
+          "put_state": jax.jit(put_state, donate_argnums=(0,))}
+
+
+def check_cacheable(cache: Sequence[Any]) -> None:
+  """The decode state must hold only DSA and delta layers (the kinds the blocks know)."""
+  kinds = {type(c).__name__ for c in cache}
+  if not kinds <= {"DSACache", "DeltaCache"}:
+    raise ValueError(f"prefix cache: unsupported decode-state kinds {sorted(kinds)}; set "
+                     "config.serving.prefix_cache_mb=0.")
+  if "DSACache" not in kinds:
+    raise ValueError("prefix cache: the model has no DSA layer, so blocks have no per-token state to "
+                     "key; set config.serving.prefix_cache_mb=0.")
+
+
+class PrefixCache:
+  """The blocks, their LRU order and the accounting (thread: the engine's loop only).
+
+  Args:
+    block: tokens per block (B).
+    budget_bytes: memory for the blocks' arrays.
+  """
+
+  def __init__(self, block: int, budget_bytes: int):
+    if block < 1 or budget_bytes < 1:
+      raise ValueError(f"PrefixCache: block={block} and budget_bytes={budget_bytes} must be >= 1.")
+    self.block, self.budget = block, budget_bytes
+    self.blocks: collections.OrderedDict[bytes, Block] = collections.OrderedDict()  # LRU first
+    self.nbytes = 0
+    self.evictions = 0
+    self.epoch = 0  # bumped by clear(): requests admitted before may not add blocks
+
+  def __len__(self) -> int:
+    return len(self.blocks)
+
+  def get(self, key: bytes) -> Block | None:
+    return self.blocks.get(key)
+
+  def longest(self, keys: Sequence[bytes], need_routing: bool = False) -> list[Block]:
+    """The chain (block 0 first) ending at the last key whose block has a snapshot; [] if none.
+
+    need_routing: only chains whose every block recorded its experts (RL's routing replay).
+    """
+    for j in range(len(keys) - 1, -1, -1):
+      b = self.blocks.get(keys[j])
+      if b is None or b.state is None:
+        continue
+      chain = []
+      while b is not None:
+        chain.append(b)
+        b = b.parent
+      chain.reverse()
+      if need_routing and any(c.routing is None for c in chain):
+        continue
+      return chain
+    return []
+
+  def touch(self, chain: Sequence[Block]) -> None:
+    """Marks a chain used now (ancestors first, so a leaf stays the most recent)."""
+    for b in chain:
+      self.blocks.move_to_end(b.key)
+
+  def add(self, key: bytes, parent: Block | None, index: int, tokens: Any, state: Any | None,
+          routing: np.ndarray | None) -> Block | None:
+    """A new block (the caller checked the key is absent), or None when it cannot fit."""
+    size = _nbytes(tokens) + (_nbytes(state) if state is not None else 0)
+    size += routing.nbytes if routing is not None else 0
+    if not self._make_room(size):
+      return None
+    b = Block(key, parent, index, tokens, size, state, routing)
+    self.blocks[key] = b
+    self.nbytes += size
+    if parent is not None:
+      parent.children += 1
+    return b
+
+  def add_state(self, b: Block, state: Any) -> bool:
+    """Gives an existing block its snapshot; False when it cannot fit."""
+    size = _nbytes(state)
+    b.refs += 1  # not evicted to make room for its own snapshot
+    try:
+      if not self._make_room(size):
+        return False
+    finally:
+      b.refs -= 1
+    b.state = state
+    b.nbytes += size
+    self.nbytes += size
+    return True
+
+  def add_routing(self, b: Block, routing: np.ndarray) -> None:
+    """Gives an existing block the experts of its tokens (small: accounted, never evicts)."""
+    b.routing = routing
+    b.nbytes += routing.nbytes
+    self.nbytes += routing.nbytes
+
+  def _make_room(self, size: int) -> bool:
+    if size > self.budget:
+      return False
+    while self.nbytes + size > self.budget:
+      victim = next((b for b in self.blocks.values() if b.refs == 0 and b.children == 0), None)
+      if victim is None:
+        return False
+      self._drop(victim)
+      self.evictions += 1
+    return True
+
+  def _drop(self, b: Block) -> None:
+    del self.blocks[b.key]
+    self.nbytes -= b.nbytes
+    if b.parent is not None:
+      b.parent.children -= 1
+
+  def clear(self) -> None:
+    """Forgets every block (new weights); running requests stop adding to the cache."""
+    self.blocks.clear()
+    self.nbytes = 0
+    self.epoch += 1
