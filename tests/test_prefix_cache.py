@@ -13,7 +13,7 @@ import pytest
 from serving.chat import ChatRenderer
 from serving.engine import Engine, Request
 from serving.prefix_cache import PrefixCache
-from serving.types import ImagePart, Message, SamplingParams, TextPart, Tool, ToolCall
+from serving.types import Message, SamplingParams, TextPart, Tool, ToolCall
 
 SLOTS, CONTEXT, CHUNK, BLOCK = 4, 640, 32, 16
 BOS = 317  # tiny's <|bos|>
