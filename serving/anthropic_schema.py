@@ -177,6 +177,7 @@ class ToolSpec(_Body):
   name: Annotated[str, StringConstraints(pattern=r"^[a-zA-Z0-9_-]{1,128}$")]
   input_schema: dict[str, Any]
   description: str = ""
+  strict: bool = False  # structured outputs: every call's input follows input_schema
 
   @pydantic.field_validator("type")
   @classmethod
@@ -241,8 +242,15 @@ Thinking = Annotated[
     Discriminator(_thinking_tag)]
 
 
+class OutputFormat(_Body):
+  """Structured outputs: the answer text is one JSON document valid under `schema`."""
+  type: Literal["json_schema"]
+  schema_: dict[str, Any] = pydantic.Field(alias="schema")
+
+
 class OutputConfig(_Body):
   effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+  format: OutputFormat | None = None
 
 
 Temperature = Annotated[float, _check(lambda t: 0.0 <= t <= 1.0, "Input should be between 0 and 1")]

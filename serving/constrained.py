@@ -1,33 +1,28 @@
-"""Constrained tool calls: token masks from a character-level JSON-schema automaton.
+"""Constrained tool calls and structured answers: serving/grammar.py matchers in the chat format.
 
-For tool_choice 'required' / 'named' (serving_spec.md, "Constrained tool calls") the
-answer is forced to be exactly
+Three constraints, each a small state machine the output processor (serving/output.py) asks
+for the next token's constraint (a forced id or a bool [V] mask) and feeds every token:
 
-    <|tool_call|>{"name": "NAME", "arguments": {...}}<|/tool_call|><|end_of_turn|>
+  * `ToolCallConstraint` -- tool_choice 'required' / 'named' (serving_spec.md, "Constrained
+    tool calls"; Anthropic tool_choice any/tool): the answer is exactly
 
-with the markers as special ids and the JSON as ordinary text tokens; 'none' bans
-<|tool_call|>. This is grammar-constrained decoding (Willard & Louf, 2023, "Efficient
-Guided Generation for Large Language Models" -- Outlines; Geng et al., 2023,
-"Grammar-Constrained Decoding for Structured NLP Tasks without Finetuning"): before each
-token, every vocabulary token whose text cannot extend the output towards a valid document
-is masked out. Outlines compiles a regex into a token-level FSM ahead of time; JSON schemas
-nest and count (string lengths, item counts), so here a small pushdown automaton over
-*characters* (serving.json_automaton: which texts; serving.schema_compiler: which schema
-subset, the bounds) runs
-instead, and the masks of the states actually reached are computed lazily and memoised.
-The JSON is canonical -- json.dumps(json.loads(text), separators=(", ", ": ")) == text --
-so a constrained call re-renders into history as the same text; bounded sizes make every
-call end within `max_tokens`.
+        <|tool_call|>{"name": "NAME", "arguments": {...}}<|/tool_call|><|end_of_turn|>
 
-Mask speed (< 20 ms per `next()` for an 8192-token vocabulary; experiments/bench/
-constrained.py): a trie of the token strings is walked together with the automaton, so only
-valid prefixes are visited. Inside a string, where most tokens are valid, tokens made only
-of plain characters are accepted by one numpy length comparison and only the ~100 tokens
-holding a quote or backslash are simulated. Token texts are decoded once per tokenizer
-(keyed by its fingerprint); masks are memoised per automaton state and shared by every
-constraint with the same tokenizer, tools and bounds. Tokens that are not complete ASCII
-text (special ids, incomplete UTF-8 that decodes to U+FFFD, non-ASCII) never appear inside
-the JSON: canonical JSON is ASCII.
+    with the markers as special ids, the JSON as ordinary text tokens valid under the tool's
+    parameter schema; 'none' bans <|tool_call|>.
+  * `CallConstraint` -- one call's JSON between the markers, then <|/tool_call|> forced. Under
+    tool_choice 'auto' it constrains every call the model opens itself when some tool is
+    strict (OpenAI `tools[].function.strict`, Anthropic `tools[].strict`): strict tools'
+    arguments follow their schema, the others' are any JSON object.
+  * `AnswerConstraint` -- OpenAI `response_format` json_object / json_schema, Anthropic
+    `output_config.format`: the answer text is one JSON document (any object, or valid under
+    the schema); <|end_of_turn|> is allowed once it is complete. Under tool_choice 'auto'
+    the model may still open tool calls before the document starts.
+
+The call JSON is `{"name": ..., "arguments": ...}` with ", " / ": " separators, the form
+serving.chat.tool_call_json writes back into history. Numbers and non-ASCII text are not
+forced into json.dumps' spelling (`1.50` and a raw `u` + umlaut are valid JSON); the parser
+re-serialises arguments, so history then holds json.dumps' text.
 
 Caveat: the mask admits every tokenization of valid text, not only the one
 `tokenizer.encode` would produce; a model trained on rendered calls prefers the latter.
@@ -35,188 +30,126 @@ Caveat: the mask admits every tokenization of valid text, not only the one
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import functools
-import json
-import threading
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-from serving import json_automaton as automaton
-from serving import schema_compiler
-from serving.json_automaton import validate_arguments
-from serving.types import Tool, ToolChoice
+from serving.grammar import Grammar, JsonMatcher, check_schema, compile_schema, validate_arguments
+from serving.types import ResponseFormat, Tool, ToolChoice
 from training.tokenizer import Tokenizer
 
-__all__ = ["ToolCallConstraint", "validate_arguments"]
+__all__ = ["AnswerConstraint", "CallConstraint", "ToolCallConstraint", "build_constraints",
+           "tool_call_schema", "validate_arguments"]
 
-_CACHE_BYTES = 32 << 20  # memoised masks per grammar
-_FAR = 1 << 30
+ANY_OBJECT = {"type": "object", "additionalProperties": True}
 
 
-# ---------------------------------------------------------------------- masks --
-@dataclasses.dataclass(frozen=True, eq=False)
-class _Vocab:
-  """Every token's text, precomputed once per tokenizer.
+def _rebase_refs(schema: Any, base: str) -> Any:
+  """`schema` with local `$ref`s ("#/...") pointing into its new place `base` in a bigger schema."""
+  if isinstance(schema, list):
+    return [_rebase_refs(s, base) for s in schema]
+  if not isinstance(schema, dict):
+    return schema
+  out = {k: _rebase_refs(v, base) for k, v in schema.items()}
+  ref = out.get("$ref")
+  if isinstance(ref, str) and ref.startswith("#"):
+    out["$ref"] = "#" + base + ref[1:]
+  return out
 
-  ok: [V] bool, may appear inside the JSON (non-empty ASCII, not special; incomplete UTF-8
-  decodes to U+FFFD and is never ASCII). plain_len: [V] length of tokens made only of plain
-  string characters, else _FAR. stop: [V] index of the first '"' or '\\\\' of tokens plain
-  before it, else _FAR. trie: (children {char: node}, [ids of tokens ending here]).
+
+def check_parameters(tool: Tool, field: str) -> None:
+  """ValueError naming `field` unless the tool's parameters are a compilable object schema."""
+  params = tool.parameters
+  if not isinstance(params, dict) or params.get("type", "object") != "object":
+    raise ValueError(f"{field} must be an object schema ({{'type': 'object', 'properties': ...}}), "
+                     f"got {params!r}.")
+  check_schema({**params, "type": "object"}, field)
+
+
+def tool_call_schema(tools: Sequence[tuple[Tool, bool]]) -> dict[str, Any]:
+  """One JSON schema for `{"name": NAME, "arguments": ARGS}` calling one of `tools`.
+
+  tools: (tool, constrained) pairs; unconstrained tools take any JSON object as arguments.
   """
-  texts: tuple[str, ...]
-  ok: np.ndarray
-  plain_len: np.ndarray
-  stop: np.ndarray
-  trie: tuple
+  branches = []
+  for j, (tool, constrained) in enumerate(tools):
+    base = ("/anyOf/%d" % j if len(tools) > 1 else "") + "/properties/arguments"
+    # Arguments are an object even when the schema leaves `type` out (properties alone allow null).
+    args = _rebase_refs({**tool.parameters, "type": "object"}, base) if constrained else ANY_OBJECT
+    branches.append({"type": "object", "properties": {"name": {"const": tool.name}, "arguments": args},
+                     "required": ["name", "arguments"], "additionalProperties": False})
+  return branches[0] if len(branches) == 1 else {"anyOf": branches}
 
 
-def _build_vocab(tokenizer: Tokenizer) -> _Vocab:
-  n = tokenizer.vocab_size
-  specials = set(tokenizer.special_ids.values())
-  texts = tuple(tokenizer.decode([i]) for i in range(n))
-  ok = np.zeros(n, bool)
-  plain_len = np.full(n, _FAR, np.int64)
-  stop = np.full(n, _FAR, np.int64)
-  trie: tuple = ({}, [])
-  for i, text in enumerate(texts):
-    if i in specials or not text or not text.isascii():
-      continue
-    ok[i] = True
-    p = next((k for k, c in enumerate(text) if c not in automaton.PLAIN), len(text))
-    if p == len(text):
-      plain_len[i] = p
-    elif text[p] in '"\\':
-      stop[i] = p
-    node = trie
-    for c in text:
-      node = node[0].setdefault(c, ({}, []))
-    node[1].append(i)
-  return _Vocab(texts, ok, plain_len, stop, trie)
-
-
-def _compute_mask(vocab: _Vocab, stack: tuple) -> np.ndarray:
-  """[V] bool: the tokens whose whole text keeps `stack` valid (trie walk; string fast path)."""
-  room = automaton.string_room(stack)
-  if room is not None:
-    return _string_mask(vocab, stack, *room)
-  step = automaton.step
-  ids: list[int] = []
-  work = [(vocab.trie, stack)]
-  while work:
-    node, state = work.pop()
-    for ch, child in node[0].items():
-      nxt = step(state, ch)
-      if nxt is not None:
-        ids.extend(child[1])
-        if child[0]:
-          work.append((child, nxt))
-  mask = np.zeros(len(vocab.texts), bool)
-  mask[ids] = True
+def _forced_or_mask(mask: np.ndarray) -> int | np.ndarray:
+  """A single allowed id as an int (the engine forces it), else the read-only mask."""
+  n = np.count_nonzero(mask)
+  if n == 0:
+    raise RuntimeError("constrained decoding reached a state with no allowed token (a bug).")
+  if n == 1:
+    return int(mask.argmax())
+  mask.flags.writeable = False
   return mask
 
 
-def _string_mask(vocab: _Vocab, stack: tuple, room: int, key: str, used: tuple | None) -> np.ndarray:
-  """Inside a string: plain tokens by length; tokens with a quote or backslash simulated."""
-  mask = vocab.plain_len <= room
-  if used is not None:  # a unique key may not end at the bound on a used key
-    for i in np.flatnonzero(vocab.plain_len == room):
-      mask[i] = key + vocab.texts[i] not in used
-  for i in np.flatnonzero(vocab.stop <= room):
-    mask[i] = automaton.walk(stack, vocab.texts[i]) is not None
-  return mask
+class CallConstraint:
+  """One call's JSON under `grammar`, then <|/tool_call|> (forced); `reset` for the next call."""
+
+  def __init__(self, tokenizer: Tokenizer, grammar: Grammar):
+    self._matcher = JsonMatcher(grammar)
+    self._close = tokenizer.special_id("/tool_call")
+    self.done = False
+
+  @property
+  def text(self) -> str:
+    return self._matcher.text
+
+  def reset(self) -> None:
+    self._matcher.reset()
+    self.done = False
+
+  def next(self) -> int | np.ndarray | None:
+    if self.done:
+      return None
+    if self._matcher.complete:
+      return self._close
+    return _forced_or_mask(self._matcher.mask())
+
+  def advance(self, token_id: int) -> None:
+    if self.done:
+      raise ValueError(f"advance({token_id}): the call is complete.")
+    if self._matcher.complete:
+      if token_id != self._close:
+        raise ValueError(f"advance({token_id}): the call {self.text!r} is complete; expected <|/tool_call|>.")
+      self.done = True
+      return
+    try:
+      self._matcher.consume(token_id)
+    except ValueError as e:
+      raise ValueError(f"advance({token_id}): {e}") from None
 
 
-def _reference_mask(vocab: _Vocab, stack: tuple) -> np.ndarray:
-  """`_compute_mask` by simulating every token on its own (slow; for tests and benchmarks)."""
-  return np.array([bool(ok) and automaton.walk(stack, text) is not None
-                   for ok, text in zip(vocab.ok, vocab.texts, strict=True)])
-
-
-class _Grammar:
-  """The automaton of one tool set, with its memoised masks (thread-safe)."""
-
-  def __init__(self, vocab: _Vocab, root: automaton.Root):
-    self.vocab, self.root = vocab, root
-    self._masks: collections.OrderedDict = collections.OrderedDict()
-    self._cap = max(64, min(1 << 16, _CACHE_BYTES // len(vocab.texts)))
-    self._lock = threading.Lock()
-
-  def allowed(self, stack: tuple) -> tuple[np.ndarray, int]:
-    """(read-only [V] mask, the only allowed id or -1)."""
-    with self._lock:
-      hit = self._masks.get(stack)
-      if hit is not None:
-        self._masks.move_to_end(stack)
-        return hit
-    mask = _compute_mask(self.vocab, stack)
-    mask.flags.writeable = False
-    ids = np.flatnonzero(mask)
-    if ids.size == 0:
-      raise RuntimeError("constrained decoding reached a state with no allowed token (a bug).")
-    hit = (mask, int(ids[0]) if ids.size == 1 else -1)
-    with self._lock:
-      self._masks[stack] = hit
-      if len(self._masks) > self._cap:
-        self._masks.popitem(last=False)
-    return hit
-
-
-class _TokKey:
-  """Hashes a tokenizer by its file fingerprint: reloading the same file reuses the caches."""
-
-  def __init__(self, tokenizer: Tokenizer):
-    self.tokenizer = tokenizer
-
-  def __hash__(self) -> int:
-    return hash(self.tokenizer.fingerprint)
-
-  def __eq__(self, other) -> bool:
-    return isinstance(other, _TokKey) and other.tokenizer.fingerprint == self.tokenizer.fingerprint
-
-
-@functools.lru_cache(maxsize=8)
-def _vocab(key: _TokKey) -> _Vocab:
-  return _build_vocab(key.tokenizer)
-
-
-@functools.lru_cache(maxsize=64)
-def _grammar(key: _TokKey, spec: str, bounds: schema_compiler.Bounds) -> _Grammar:
-  """spec: JSON [[index in tools, name, parameters], ...] of the callable tools."""
-  return _Grammar(_vocab(key), schema_compiler.compile_tools(json.loads(spec), bounds))
-
-
-# ----------------------------------------------------------------- public API --
 class ToolCallConstraint:
   """Forces one schema-valid tool call ('required' / 'named') or bans calls ('none').
 
-  Phases: <|tool_call|> (forced), the JSON (masks), <|/tool_call|> (forced), <|end_of_turn|>
-  (forced), done. 'none' never finishes: every step bans <|tool_call|> only.
+  Phases: <|tool_call|> (forced), the JSON (masks) and <|/tool_call|> (a CallConstraint),
+  <|end_of_turn|> (forced), done. 'none' never finishes: every step bans <|tool_call|> only.
   """
 
-  def __init__(self, tokenizer: Tokenizer, tools: Sequence[Tool], choice: ToolChoice, *,
-               max_string_chars: int = 48, max_array_items: int = 4, max_number_chars: int = 10,
-               max_depth: int = 4):
-    for name, value, least in (("max_string_chars", max_string_chars, 1),
-                               ("max_array_items", max_array_items, 1),
-                               ("max_number_chars", max_number_chars, 1), ("max_depth", max_depth, 0)):
-      if not isinstance(value, int) or value < least:
-        raise ValueError(f"ToolCallConstraint({name}={value!r}): must be an integer >= {least}.")
+  def __init__(self, tokenizer: Tokenizer, tools: Sequence[Tool], choice: ToolChoice):
     tools = list(tools)
     names = [t.name for t in tools]
     if len(set(names)) != len(names):
       raise ValueError(f"tools: names must be distinct, got {names}.")
     self.mode = choice.mode
-    self._call = tokenizer.special_id("tool_call")
-    self._markers = (self._call, None, tokenizer.special_id("/tool_call"),
-                     tokenizer.special_id("end_of_turn"))
-    self._text = ""  # immutable state throughout: copy.copy(constraint) is an independent copy
+    self._open = tokenizer.special_id("tool_call")
+    self._end = tokenizer.special_id("end_of_turn")
     self._phase = 0
     if choice.mode == "none":
       self._ban = np.ones(tokenizer.vocab_size, bool)
-      self._ban[self._call] = False
+      self._ban[self._open] = False
       self._ban.flags.writeable = False
       return
     if choice.mode == "required":
@@ -231,57 +164,97 @@ class ToolCallConstraint:
     else:
       raise ValueError(f"tool_choice.mode={choice.mode!r} is not constrained: ToolCallConstraint serves "
                        "'required', 'named' and 'none' ('auto' leaves the model free).")
-    try:
-      spec = json.dumps([[i, t.name, t.parameters] for i, t in chosen])
-    except (TypeError, ValueError) as e:
-      raise ValueError(f"tools[*].parameters must be JSON: {e}") from None
-    bounds = schema_compiler.Bounds(max_string_chars, max_array_items, max_number_chars, max_depth)
-    self._grammar = _grammar(_TokKey(tokenizer), spec, bounds)
-    self._stack: tuple = (self._grammar.root.initial(),)
+    for i, tool in chosen:
+      check_parameters(tool, f"tools[{i}].parameters")
+    schema = tool_call_schema([(t, True) for _, t in chosen])
+    self._call = CallConstraint(tokenizer, compile_schema(tokenizer, schema, "tools"))
 
   @property
   def done(self) -> bool:
     """The whole call, <|end_of_turn|> included, has been advanced ('none': never)."""
-    return self.mode != "none" and self._phase == 4
-
-  @property
-  def max_tokens(self) -> int | None:
-    """An upper bound on the tokens of the whole constrained answer (None for 'none')."""
-    return None if self.mode == "none" else 3 + self._grammar.root.max_len
+    return self.mode != "none" and self._phase == 3
 
   @property
   def text(self) -> str:
     """The JSON text advanced so far."""
-    return self._text
+    return "" if self.mode == "none" else self._call.text
 
   def next(self) -> int | np.ndarray | None:
     """The forced id, or a read-only bool [vocab_size] mask of allowed ids, or None when done."""
     if self.mode == "none":
       return self._ban
-    if self._phase != 1:
-      return None if self._phase == 4 else self._markers[self._phase]
-    mask, forced = self._grammar.allowed(self._stack)
-    return forced if forced >= 0 else mask
+    if self._phase == 1:
+      return self._call.next()
+    return (self._open, None, self._end, None)[self._phase]
 
   def advance(self, token_id: int) -> None:
     """Consumes the generated token; ValueError (state unchanged) if it was not allowed."""
     tid = int(token_id)
     if self.mode == "none":
-      if tid == self._call:
+      if tid == self._open:
         raise ValueError("advance(<|tool_call|>): tool_choice 'none' bans tool calls.")
       return
-    if self._phase != 1:
-      if self._phase == 4 or tid != self._markers[self._phase]:
-        raise ValueError(f"advance({tid}): not allowed here; expected {self.next()!r}.")
-      self._phase += 1
+    if self._phase == 1:
+      self._call.advance(tid)
+      self._phase += self._call.done
       return
-    vocab = self._grammar.vocab
-    ok = 0 <= tid < len(vocab.texts) and vocab.ok[tid]
-    stack = automaton.walk(self._stack, vocab.texts[tid]) if ok else None
-    if stack is None:
-      raise ValueError(f"advance({tid}): token {vocab.texts[tid] if ok else tid!r} cannot continue the "
-                       f"tool call {self.text!r}.")
-    self._stack = stack
-    self._text += vocab.texts[tid]
-    if automaton.Root.complete(stack):
-      self._phase = 2
+    if self._phase == 3 or tid != self.next():
+      raise ValueError(f"advance({tid}): not allowed here; expected {self.next()!r}.")
+    self._phase += 1
+
+
+class AnswerConstraint:
+  """The answer is one JSON document (response_format); tool calls may open before it starts."""
+
+  def __init__(self, tokenizer: Tokenizer, grammar: Grammar, *, calls_allowed: bool):
+    self._matcher = JsonMatcher(grammar)
+    self._open = tokenizer.special_id("tool_call")
+    self._end = tokenizer.special_id("end_of_turn")
+    self._calls_allowed = calls_allowed
+
+  @property
+  def text(self) -> str:
+    return self._matcher.text
+
+  def next(self, *, called: bool = False) -> int | np.ndarray:
+    """called: the turn has made a tool call, so it may end before any document."""
+    mask = self._matcher.mask()
+    if not self._matcher.ids:
+      mask[self._open] |= self._calls_allowed
+      mask[self._end] |= called
+    return _forced_or_mask(mask)
+
+  def advance(self, token_id: int) -> None:
+    if token_id == self._open and self._calls_allowed and not self._matcher.ids:
+      return  # a tool call opens; the document has not started
+    self._matcher.consume(token_id)
+
+
+@dataclasses.dataclass
+class Constraints:
+  """What constrains one request's output (each None when that part is free)."""
+  forced: ToolCallConstraint | None = None
+  calls: CallConstraint | None = None
+  answer: AnswerConstraint | None = None
+
+
+def build_constraints(tokenizer: Tokenizer, tools: Sequence[Tool], choice: ToolChoice,
+                      response_format: ResponseFormat | None) -> Constraints:
+  """The constraints of a request; ValueError (naming the field) for a schema that cannot compile."""
+  out = Constraints()
+  if choice.mode in ("required", "named"):
+    out.forced = ToolCallConstraint(tokenizer, tools, choice)
+    return out  # the answer is the call: nothing else to constrain
+  strict = [t.strict for t in tools]
+  if choice.mode == "auto" and any(strict):
+    for i, tool in enumerate(tools):
+      if tool.strict:
+        check_parameters(tool, f"tools[{i}].parameters")
+    schema = tool_call_schema(list(zip(tools, strict, strict=True)))
+    out.calls = CallConstraint(tokenizer, compile_schema(tokenizer, schema, "tools"))
+  if response_format is not None:
+    closed = response_format.schema is not None
+    schema = response_format.schema if closed else ANY_OBJECT
+    grammar = compile_schema(tokenizer, schema, "response_format", closed=closed)
+    out.answer = AnswerConstraint(tokenizer, grammar, calls_allowed=choice.mode == "auto" and bool(tools))
+  return out

@@ -37,6 +37,8 @@ class Limits:
   max_images: int
   max_tools: int
   max_body_bytes: int
+  max_image_bytes: int
+  max_image_pixels: int
   thinking_budgets: Mapping[str, int]
   default_effort: str
 
@@ -45,7 +47,8 @@ class Limits:
     """The limits of a `config.serving` ConfigDict."""
     return cls(max_context=int(serving.max_context), default_max_tokens=int(serving.default_max_tokens),
                max_images=int(serving.max_images), max_tools=int(serving.max_tools),
-               max_body_bytes=int(serving.max_body_bytes),
+               max_body_bytes=int(serving.max_body_bytes), max_image_bytes=int(serving.max_image_bytes),
+               max_image_pixels=int(serving.max_image_pixels),
                thinking_budgets={k: int(v) for k, v in dict(serving.thinking_budgets).items()},
                default_effort=str(serving.default_effort))
 
@@ -64,6 +67,9 @@ class ServerContext:
     api_key: the key every route but /health needs ("" = open).
     signing_key: HMAC key of Anthropic thinking signatures (serving/signing.py).
     created: unix time the server was built (the model card's `created`).
+    max_token_bytes: the most UTF-8 bytes one token decodes to, so a text of n characters
+      has at least n / max_token_bytes tokens (serving/prepare.py rejects a prompt whose
+      length alone proves it cannot fit the context, before tokenizing it).
   """
   engine: Engine
   tokenizer: Any
@@ -74,6 +80,7 @@ class ServerContext:
   api_key: str
   signing_key: bytes
   created: float
+  max_token_bytes: int = 1
 
   @property
   def metrics(self) -> EngineMetrics:
@@ -90,7 +97,24 @@ class ServerContext:
                                      else 0),
                model_cfg=model_cfg, limits=Limits.from_config(config.serving),
                model_name=str(config.serving.model_name), api_key=str(config.serving.api_key or ""),
-               signing_key=signing.signing_key(config.serving.signing_key), created=time.time())
+               signing_key=signing.signing_key(config.serving.signing_key), created=time.time(),
+               max_token_bytes=max_token_bytes(tokenizer))
+
+  @property
+  def served_models(self) -> list[str]:
+    """The model ids requests may name (`model`)."""
+    return [self.model_name]
+
+
+def max_token_bytes(tokenizer: Any) -> int:
+  """The longest token's text in UTF-8 bytes (specials included).
+
+  Byte-level BPE: every token is some bytes of the text, so this bounds how
+  much text one token can cover. A token holding part of a multi-byte
+  character decodes to U+FFFD (3 bytes) per invalid sequence, never fewer bytes
+  than it holds, so the bound stays safe.
+  """
+  return max(1, max(len(tokenizer.decode([i]).encode("utf-8")) for i in range(tokenizer.vocab_size)))
 
 
 def get_context(request: fastapi.Request) -> ServerContext:

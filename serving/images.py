@@ -3,9 +3,14 @@
 Both APIs carry images inline: OpenAI as `image_url.url` (a data URL),
 Anthropic as `source: {type: base64, media_type, data}`. The server has no
 network, so http(s) URLs are refused with a message saying what to send
-instead. Decoding is restricted to PNG, JPEG, GIF and WebP (Pillow), and the
-pixel count is checked from the header before any pixel is decoded, so a
-small compressed "decompression bomb" cannot exhaust memory.
+instead. Decoding is restricted to PNG, JPEG, GIF and WebP (Pillow), and both
+sizes are bounded before the work they would cost: the encoded file's bytes
+(`config.serving.max_image_bytes`) from the base64 text's length, before it is
+decoded, and the pixel count (`config.serving.max_image_pixels`) from the
+header, before any pixel is decoded, so a small compressed "decompression
+bomb" cannot exhaust memory. The API front-ends call `decode_image` in a
+worker thread (Pillow releases the GIL while it decodes), never on the event
+loop.
 """
 
 from __future__ import annotations
@@ -19,14 +24,18 @@ import warnings
 import numpy as np
 from PIL import Image
 
-MAX_PIXELS = 64_000_000  # 64 megapixels: larger images are rejected before decoding
+MAX_PIXELS = 64_000_000  # default pixel bound: larger images are rejected before decoding
 FORMATS = ("PNG", "JPEG", "GIF", "WEBP")
 _MODES = {1: "L", 3: "RGB"}
 _DATA_URL = re.compile(r"data:(?P<mime>[^;,]*)(?P<params>(;[^;,]*)*),(?P<data>.*)", re.DOTALL | re.IGNORECASE)
 
 
-def _b64(text: str, where: str) -> bytes:
-  """Standard or URL-safe base64, whitespace and missing padding tolerated."""
+def _b64(text: str, where: str, max_bytes: int | None) -> bytes:
+  """Standard or URL-safe base64, whitespace and missing padding tolerated; at most max_bytes decoded."""
+  if max_bytes is not None and len(text) // 4 * 3 > max_bytes + 3 * 1024:  # whitespace slack
+    raise ValueError(f"image is about {len(text) // 4 * 3 / 1e6:.1f} MB, more than the server's limit of "
+                     f"{max_bytes / 1e6:.1f} MB per image (config.serving.max_image_bytes); send a "
+                     "smaller or more compressed image.")
   s = re.sub(r"\s+", "", text)
   if "-" in s or "_" in s:
     s = s.replace("-", "+").replace("_", "/")
@@ -38,12 +47,19 @@ def _b64(text: str, where: str) -> bytes:
                      "or as a data URL (data:image/png;base64,...).") from None
   if not data:
     raise ValueError(f"{where} is empty; send the image file's bytes base64-encoded.")
+  if max_bytes is not None and len(data) > max_bytes:
+    raise ValueError(f"image is {len(data) / 1e6:.1f} MB, more than the server's limit of "
+                     f"{max_bytes / 1e6:.1f} MB per image (config.serving.max_image_bytes); send a "
+                     "smaller or more compressed image.")
   return data
 
 
-def image_bytes(source: str | bytes) -> bytes:
-  """The encoded image file inside a data URL, raw base64 text, or bytes."""
+def image_bytes(source: str | bytes, max_bytes: int | None = None) -> bytes:
+  """The encoded image file inside a data URL, raw base64 text, or bytes (at most max_bytes)."""
   if isinstance(source, bytes | bytearray | memoryview):
+    if max_bytes is not None and len(source) > max_bytes:
+      raise ValueError(f"image is {len(source) / 1e6:.1f} MB, more than the limit of "
+                       f"{max_bytes / 1e6:.1f} MB.")
     return bytes(source)
   if not isinstance(source, str):
     raise ValueError(f"image: expected a data URL, base64 text or bytes, got {type(source).__name__}.")
@@ -61,11 +77,12 @@ def image_bytes(source: str | bytes) -> bytes:
     if m["mime"] and not m["mime"].lower().startswith("image/"):
       raise ValueError(f"image data URL has media type {m['mime']!r}; expected image/png, image/jpeg, "
                        "image/gif or image/webp.")
-    return _b64(m["data"], "image data URL payload")
-  return _b64(source, "image data")
+    return _b64(m["data"], "image data URL payload", max_bytes)
+  return _b64(source, "image data", max_bytes)
 
 
-def decode_image(source: str | bytes, image_size: int, channels: int = 3) -> np.ndarray:
+def decode_image(source: str | bytes, image_size: int, channels: int = 3, *, max_bytes: int | None = None,
+                 max_pixels: int = MAX_PIXELS) -> np.ndarray:
   """Decodes and resizes one image for the vision encoder.
 
   The image is converted to RGB (channels=3) or grayscale (channels=1);
@@ -80,33 +97,36 @@ def decode_image(source: str | bytes, image_size: int, channels: int = 3) -> np.
       file's bytes. http(s) URLs are refused (the server has no network).
     image_size: output height and width (config.model.vision.image_size).
     channels: 3 (RGB) or 1 (grayscale): config.model.vision.num_channels.
+    max_bytes: most bytes of the encoded file (None: unbounded), checked before base64 decoding.
+    max_pixels: most pixels (width x height), checked from the header before decoding.
 
   Returns:
     float32 [image_size, image_size, channels] in [0, 1].
 
   Raises:
     ValueError: a URL, bad base64, an undecodable or unsupported file, or an
-      image over 64 megapixels; the message names the problem.
+      image over max_bytes or max_pixels; the message names the problem and the limit.
   """
   if not isinstance(image_size, int) or image_size <= 0:
     raise ValueError(f"image_size={image_size!r}: expected a positive int.")
   if channels not in _MODES:
     raise ValueError(f"channels={channels!r}: expected 3 (RGB) or 1 (grayscale).")
-  data = image_bytes(source)
+  data = image_bytes(source, max_bytes)
   try:
     with warnings.catch_warnings():
       warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # checked below, before load
       img = Image.open(io.BytesIO(data), formats=FORMATS)
   except Image.DecompressionBombError:
-    raise ValueError(f"image is larger than {MAX_PIXELS // 1_000_000} megapixels; send a smaller "
-                     "image.") from None
+    raise ValueError(f"image is larger than {max_pixels / 1e6:g} megapixels (config.serving."
+                     "max_image_pixels); send a smaller image.") from None
   except Exception as e:  # Pillow raises UnidentifiedImageError, OSError, SyntaxError, ...
     raise ValueError(f"image could not be decoded ({type(e).__name__}: {e}); supported formats are "
                      "PNG, JPEG, GIF and WebP.") from None
   w, h = img.size
-  if w * h > MAX_PIXELS:
+  if w * h > max_pixels:
     raise ValueError(f"image is {w}x{h} = {w * h / 1e6:.1f} megapixels, more than the "
-                     f"{MAX_PIXELS // 1_000_000} megapixel limit; send a smaller image.")
+                     f"{max_pixels / 1e6:g} megapixel limit (config.serving.max_image_pixels); send a "
+                     "smaller image.")
   try:
     with warnings.catch_warnings():
       warnings.simplefilter("ignore", Image.DecompressionBombWarning)

@@ -44,6 +44,7 @@ from serving.openai_request import (
   convert_messages,
   convert_tools,
   refuse_unsupported,
+  response_format,
   stop_strings,
 )
 from serving.run import EventStreamResponse, sse
@@ -193,16 +194,22 @@ async def _choice_stream(handles, reply: _Reply, include_usage: bool, chunk, emp
 async def chat_completions(body: ChatRequest, request: fastapi.Request, ctx: Context):
   """OpenAI Chat Completions (https://platform.openai.com/docs/api-reference/chat/create)."""
   limits = ctx.limits
+  prepare.check_model(ctx, body.model)
   refuse_unsupported(body)
   stops = stop_strings(body.stop)
   thinking = effort_thinking(body.reasoning_effort, limits)
   tools, choice = convert_tools(body, limits.max_tools)
-  decoder = ImageDecoder(ctx.model_cfg.vision, limits.max_images)
+  fmt = response_format(body)
+  decoder = ImageDecoder(ctx.model_cfg.vision, limits.max_images, limits.max_image_bytes,
+                         limits.max_image_pixels)
   messages = await run_in_threadpool(convert_messages, body.messages, decoder)
   cont = body.continue_final_message
   if cont and thinking.on:
     raise APIError(400, "continue_final_message cannot be combined with reasoning_effort (thinking): the "
                    "continued answer would have no thinking.", param="continue_final_message")
+  if cont and fmt is not None:
+    raise APIError(400, "continue_final_message cannot be combined with a JSON response_format: the "
+                   "document would start in the prefill, outside the constraint.", param="response_format")
   rendered = await run_in_threadpool(prepare.render, ctx, messages, tools=tools, thinking=thinking.on,
                                      effort=thinking.effort, continue_final=cont)
   prepare.check_images(ctx, len(rendered.images), "messages")
@@ -214,7 +221,8 @@ async def chat_completions(body: ChatRequest, request: fastapi.Request, ctx: Con
 
   def processor():
     return prepare.make_processor(ctx, thinking=thinking.on, thinking_budget=thinking.budget, stop=stops,
-                                   tools=tools, tool_choice=choice, call_id_prefix="call_")
+                                   tools=tools, tool_choice=choice, call_id_prefix="call_",
+                                   response_format=fmt)
 
   handles = _submit_all(ctx, rendered.ids, rendered.images, body, max_tokens, processor)
   reply = _Reply(f"chatcmpl-{secrets.token_hex(12)}", "chat.completion", int(time.time()),
@@ -234,13 +242,19 @@ async def chat_completions(body: ChatRequest, request: fastapi.Request, ctx: Con
 
 
 def _prompts(ctx: ServerContext, body: CompletionRequest) -> list[list[int]]:
-  """`prompt` as token-id lists: strings get <|bos|> + their text ids; id lists are used as given."""
+  """`prompt` as token-id lists: strings get <|bos|> + their text ids; id lists are used as given.
+
+  Tokenizes: called off the event loop; a string too long for the context by its length alone
+  is refused before it is tokenized.
+  """
   p = body.prompt
   if isinstance(p, str):
-    return [ctx.renderer.render_completion_prompt(p)]
+    p = [p]
   if not p:
     raise APIError(400, "prompt: must not be empty.", param="prompt")
   if all(isinstance(x, str) for x in p):
+    for x in p:
+      prepare.refuse_too_long(ctx, len(x), 1, "prompt")  # + <|bos|>
     return [ctx.renderer.render_completion_prompt(x) for x in p]
   if all(isinstance(x, int) for x in p):
     p = [p]
@@ -275,9 +289,10 @@ async def _completion_stream(handles, echoes: list[str], reply: _Reply,
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: fastapi.Request, ctx: Context):
   """OpenAI (legacy) Completions: raw text continuation, no chat template, no thinking."""
+  prepare.check_model(ctx, body.model)
   refuse_unsupported(body)
   stops = stop_strings(body.stop)
-  prompts = _prompts(ctx, body)
+  prompts = await run_in_threadpool(_prompts, ctx, body)
   if len(prompts) * body.n > 64:
     raise APIError(400, f"{len(prompts)} prompts x n={body.n} = {len(prompts) * body.n} generations; at "
                    "most 64 per request.", param="prompt")

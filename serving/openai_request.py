@@ -5,8 +5,18 @@ validation error into OpenAI's `{"error": {..., "param": "messages[0].role"}}`
 with status 400, as OpenAI answers; serving/errors.py words the first error,
 for this API and the Anthropic one alike). Unknown fields are accepted and ignored
 (clients send `user`, `metadata`, `store`, ...); features this server does
-not have (logprobs, non-text response formats, `suffix`, `best_of` > n)
+not have (logprobs, `suffix`, `best_of` > n)
 are refused with a 400 naming the field rather than silently ignored.
+
+Types are strict, as in the Anthropic schema (serving/anthropic_schema.py):
+nothing is coerced, so `"stream": "yes"`, `"max_tokens": "5"` or
+`"n": true` are 400s naming the field. A boolean is no integer, and an
+integer field takes only a JSON integer: `5.0` is refused (JavaScript
+clients serialise 5.0 as 5 anyway; a Python client sending a float there
+has a bug worth hearing about). Number fields take integers. `model` is
+required, as on OpenAI (400 "model: Field required", the same as the
+Anthropic API); a model this server does not serve is a 404
+`model_not_found` naming the served ones (serving/prepare.py check_model).
 
 Translation (https://platform.openai.com/docs/api-reference/chat/create):
   * system and developer messages -> `system` Messages (the first one becomes
@@ -17,6 +27,9 @@ Translation (https://platform.openai.com/docs/api-reference/chat/create):
     or `reasoning` (both spellings in use by OpenAI-compatible servers; the
     thinking is rendered back, history retention), `tool_calls`;
   * tool: content + `tool_call_id` (the renderer names the tool from the call).
+  * structured outputs (serving/constrained.py): `response_format` json_object /
+    json_schema constrains the answer to one JSON document, `function.strict` every
+    call to that tool; schemas that cannot compile are 400s naming the field.
 """
 
 from __future__ import annotations
@@ -29,7 +42,7 @@ import pydantic
 from serving import images as images_lib
 from serving.api_common import resolve_tool_choice
 from serving.errors import APIError
-from serving.types import ImagePart, Message, Part, TextPart, Tool, ToolCall, ToolChoice
+from serving.types import ImagePart, Message, Part, ResponseFormat, TextPart, Tool, ToolCall, ToolChoice
 
 _TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 MAX_N = 16  # choices per request (each is a separate generation in its own slot)
@@ -37,7 +50,7 @@ MAX_STOP = 4  # stop strings (OpenAI's limit)
 
 
 class _Body(pydantic.BaseModel):
-  model_config = pydantic.ConfigDict(extra="allow")
+  model_config = pydantic.ConfigDict(extra="allow", strict=True)
 
 
 class FunctionCall(_Body):
@@ -65,6 +78,7 @@ class FunctionDef(_Body):
   name: str
   description: str | None = None
   parameters: dict[str, Any] | None = None
+  strict: bool | None = None  # every call to it follows `parameters` (serving/constrained.py)
 
 
 class ToolDef(_Body):
@@ -87,7 +101,7 @@ class StreamOptions(_Body):
 
 class _Sampling(_Body):
   """Fields shared by both endpoints."""
-  model: str = ""
+  model: str
   temperature: float | None = pydantic.Field(None, ge=0.0, le=2.0)
   top_p: float | None = pydantic.Field(None, gt=0.0, le=1.0)
   top_k: int | None = pydantic.Field(None, ge=0)  # an extension (vLLM, SGLang accept it too)
@@ -97,7 +111,7 @@ class _Sampling(_Body):
   stream: bool = False
   stream_options: StreamOptions | None = None
   max_tokens: int | None = pydantic.Field(None, ge=1)
-  logprobs: Any = None
+  logprobs: bool | int | None = None  # bool for chat, an int (top-n) for completions; refused when set
 
 
 class ChatRequest(_Sampling):
@@ -136,11 +150,6 @@ def refuse_unsupported(body: _Sampling) -> None:
   if body.logprobs not in (None, False, 0):
     raise APIError(400, "logprobs are not supported by this server; leave `logprobs` unset.",
                    param="logprobs")
-  if isinstance(body, ChatRequest):
-    fmt = (body.response_format or {}).get("type", "text")
-    if fmt != "text":
-      raise APIError(400, f"response_format type {fmt!r} is not supported (only 'text'); use tools with "
-                     "tool_choice to get schema-constrained JSON.", param="response_format")
   if isinstance(body, CompletionRequest):
     if body.suffix:
       raise APIError(400, "suffix (insertion) is not supported by this server.", param="suffix")
@@ -168,13 +177,71 @@ def convert_tools(body: ChatRequest, max_tools: int) -> tuple[list[Tool], ToolCh
                      param=f"tools[{j}].function.name")
     seen.add(f.name)
     params = f.parameters if f.parameters is not None else {"type": "object", "properties": {}}
-    tools.append(Tool(name=f.name, description=f.description or "", parameters=params))
+    tools.append(Tool(name=f.name, description=f.description or "", parameters=params, strict=bool(f.strict)))
   choice = body.tool_choice
   mode, name = ("named", choice.function.name) if isinstance(choice, NamedToolChoice) else (choice, None)
   try:
-    return tools, resolve_tool_choice(mode, tools, name)
+    resolved = resolve_tool_choice(mode, tools, name)
   except ValueError as e:
     raise APIError(400, str(e), param="tool_choice") from None
+  _check_constrained_tools(tools, resolved)
+  return tools, resolved
+
+
+def _check_constrained_tools(tools: list[Tool], choice: ToolChoice) -> None:
+  """400 naming `tools[j].function.parameters` for a schema constrained decoding cannot compile
+  (strict tools, and the tools tool_choice required/named forces)."""
+  from serving.constrained import check_parameters  # llguidance: loaded when a schema is used
+
+  for j, tool in enumerate(tools):
+    forced = choice.mode == "required" or (choice.mode == "named" and choice.name == tool.name)
+    if tool.strict or forced:
+      field = f"tools[{j}].function.parameters"
+      try:
+        check_parameters(tool, field)
+      except ValueError as e:
+        raise APIError(400, str(e), param=field) from None
+
+
+def response_format(body: ChatRequest) -> ResponseFormat | None:
+  """`response_format` -> None (text) or the JSON document the answer must be; 400s name the field.
+
+  {"type": "text"}; {"type": "json_object"}: any JSON object; {"type": "json_schema",
+  "json_schema": {"name", "schema", "strict", "description"}}: a document valid under
+  `schema` (constrained whether `strict` is true or false; no schema: any object).
+  """
+  fmt = body.response_format
+  if fmt is None:
+    return None
+  kind = fmt.get("type")
+  if kind == "text":
+    return None
+  if kind == "json_object":
+    return ResponseFormat()
+  if kind != "json_schema":
+    raise APIError(400, f"response_format.type: {kind!r} is not one of 'text', 'json_object', 'json_schema'.",
+                   param="response_format.type")
+  spec = fmt.get("json_schema")
+  if not isinstance(spec, dict):
+    raise APIError(400, "response_format.json_schema: required for type 'json_schema' (an object with "
+                   "`name` and `schema`).", param="response_format.json_schema")
+  if not isinstance(spec.get("name"), str) or not _TOOL_NAME.match(spec["name"]):
+    raise APIError(400, "response_format.json_schema.name: required, matching ^[a-zA-Z0-9_-]{1,64}$.",
+                   param="response_format.json_schema.name")
+  if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+    raise APIError(400, "response_format.json_schema.strict: expected a boolean.",
+                   param="response_format.json_schema.strict")
+  schema = spec.get("schema")
+  if schema is None:
+    return ResponseFormat()
+  from serving.grammar import check_schema  # llguidance: loaded when a schema is used
+
+  field = "response_format.json_schema.schema"
+  try:
+    check_schema(schema, field)
+  except ValueError as e:
+    raise APIError(400, str(e), param=field) from None
+  return ResponseFormat(schema)
 
 
 # ---------------------------------------------------------------- messages --
@@ -200,8 +267,10 @@ def _text_parts(content, where: str, *, refusal_ok: bool = False) -> list[Part]:
 class ImageDecoder:
   """Decodes `image_url` parts with the model's image size; counts images against the limit."""
 
-  def __init__(self, vision, max_images: int):
+  def __init__(self, vision, max_images: int, max_bytes: int | None = None,
+               max_pixels: int = images_lib.MAX_PIXELS):
     self.vision, self.max_images, self.count = vision, max_images, 0
+    self.max_bytes, self.max_pixels = max_bytes, max_pixels
 
   def __call__(self, part: dict[str, Any], where: str) -> ImagePart:
     self.count += 1
@@ -216,7 +285,8 @@ class ImageDecoder:
       raise APIError(400, f"{where}.image_url.url: expected a data URL string "
                      "(data:image/png;base64,...).", param=f"{where}.image_url.url")
     try:
-      pixels = images_lib.decode_image(url, self.vision.image_size, self.vision.num_channels)
+      pixels = images_lib.decode_image(url, self.vision.image_size, self.vision.num_channels,
+                                       max_bytes=self.max_bytes, max_pixels=self.max_pixels)
     except ValueError as e:
       raise APIError(400, f"{where}.image_url.url: {e}", param=f"{where}.image_url.url") from None
     return ImagePart(pixels)

@@ -24,20 +24,32 @@ Why each piece exists:
     another special token inside, no closing marker) become plain text plus a
     `logging.warning`, never an exception that would kill the request.
   * tool_choice 'required'/'named' hands the answer to
-    `serving.constrained.ToolCallConstraint` (a token-mask automaton that
-    forces one schema-valid call); 'none' bans <|tool_call|>.
+    `serving.constrained.ToolCallConstraint` (llguidance token masks that
+    force one schema-valid call); 'none' bans <|tool_call|>. Strict tools
+    constrain the calls the model opens itself, and a response_format
+    constrains the answer text to one JSON document (serving/constrained.py).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import secrets
 from collections.abc import Sequence
 
 import numpy as np
 
-from serving.types import Delta, TextDelta, ThinkingDelta, Tool, ToolCall, ToolCallDelta, ToolChoice
+from serving.types import (
+  Delta,
+  ResponseFormat,
+  TextDelta,
+  ThinkingDelta,
+  Tool,
+  ToolCall,
+  ToolCallDelta,
+  ToolChoice,
+)
 
 _log = logging.getLogger(__name__)
 
@@ -159,6 +171,16 @@ def parse_tool_call(raw: str, tools: dict[str, Tool]) -> tuple[str, str]:
   return name, json.dumps(args, ensure_ascii=False)
 
 
+_CALL_PREFIX = re.compile(r'\s*\{\s*"name"\s*:\s*"(?P<name>[^"]*)(?:"\s*,\s*"arguments"\s*:\s*(?P<args>.*))?',
+                          re.DOTALL)
+
+
+def split_call_prefix(raw: str) -> tuple[str, str]:
+  """(name, arguments text) of the start of a constrained call's JSON (either may be cut short)."""
+  m = _CALL_PREFIX.match(raw)
+  return (m["name"], m["args"] or "") if m else ("", "")
+
+
 class OutputProcessor:
   """Per-request output state machine (serving.types.TokenProcessor).
 
@@ -173,6 +195,7 @@ class OutputProcessor:
     tools: the tools a call may name.
     tool_choice: none (ban calls) / auto / required / named (constrained).
     call_id_prefix: prefix of generated call ids ("call_" OpenAI, "toolu_" Anthropic).
+    response_format: the answer must be one JSON document (None: free text).
 
   Attributes (read after or during generation): thinking_tokens,
   stop_sequence, tool_calls, text, thinking_text.
@@ -180,7 +203,8 @@ class OutputProcessor:
 
   def __init__(self, tokenizer, *, thinking: bool, thinking_budget: int | None,
                stop: Sequence[str] = (), tools: Sequence[Tool] = (),
-               tool_choice: ToolChoice = AUTO, call_id_prefix: str = "call_"):
+               tool_choice: ToolChoice = AUTO, call_id_prefix: str = "call_",
+               response_format: ResponseFormat | None = None):
     _check_args(thinking_budget, stop, tools, tool_choice)
     self._tok = tokenizer
     self._tools = {t.name: t for t in tools}
@@ -204,10 +228,12 @@ class OutputProcessor:
     if tool_choice.mode == "none":
       self._ban = np.ones(tokenizer.vocab_size, bool)
       self._ban[self._id["tool_call"]] = False
-    self._constraint = None
-    if tool_choice.mode in ("required", "named"):
-      from serving.constrained import ToolCallConstraint  # heavy: built only when needed
-      self._constraint = ToolCallConstraint(tokenizer, tools, tool_choice)
+    self._constraint = self._calls = self._answer = None
+    strict = any(t.strict for t in tools)
+    if tool_choice.mode in ("required", "named") or response_format is not None or strict:
+      from serving.constrained import build_constraints  # heavy: built only when needed
+      built = build_constraints(tokenizer, tools, tool_choice, response_format)
+      self._constraint, self._calls, self._answer = built.forced, built.calls, built.answer
     self.thinking_tokens = 0
     self.stop_sequence: str | None = None
     self.tool_calls: list[ToolCall] = []
@@ -247,15 +273,19 @@ class OutputProcessor:
       return self._ban
     if self._constraint is not None and not self._constraint.done:
       return self._constraint.next()
+    if self._phase == "call" and self._calls is not None:
+      return self._calls.next()
+    if self._phase == "answer" and self._answer is not None:
+      return self._answer.next(called=bool(self.tool_calls))
     return self._ban
 
   def feed(self, token_id: int) -> tuple[list[Delta], str | None]:
     """Consumes one generated token: (deltas, finish reason or None).
 
-    Malformed model output never raises. The one exception: under
-    tool_choice 'required'/'named', a token the constraint did not allow
-    (the engine ignored `next_constraint`) raises ValueError from
-    `ToolCallConstraint.advance` -- an engine bug, which the engine turns
+    Malformed model output never raises. The one exception: while a
+    constraint is active (forced or strict tool calls, response_format), a
+    token it did not allow (the engine ignored `next_constraint`) raises
+    ValueError from its `advance` -- an engine bug, which the engine turns
     into finish reason 'error'.
     """
     token_id = int(token_id)
@@ -264,6 +294,10 @@ class OutputProcessor:
     out: list[Delta] = []
     if self._phase != "think" and self._constraint is not None and not self._constraint.done:
       self._constraint.advance(token_id)
+    elif self._phase == "call" and self._calls is not None:
+      self._calls.advance(token_id)
+    elif self._phase == "answer" and self._answer is not None:
+      self._answer.advance(token_id)
     elif self._phase == "think" and token_id not in self._not_thinking:
       self.thinking_tokens += 1  # every token inside the block counts, dropped specials too
     if token_id in self._specials:
@@ -278,13 +312,19 @@ class OutputProcessor:
     return out, self._finish
 
   def close(self, reason: str) -> list[Delta]:
-    """Flushes held-back thinking/text; an unclosed tool call becomes text. Never raises."""
+    """Flushes held-back thinking/text. Never raises.
+
+    An unclosed tool call becomes text, except a forced one (tool_choice
+    required/named) cut by 'length': it is delivered as a truncated ToolCall.
+    """
     if self._closed:
       return []
     out: list[Delta] = []
     if self.stop_sequence is None:
       if self._phase == "think":
         self._deliver(out, ThinkingDelta, self._think_detok.flush())
+      elif self._phase == "call" and self._constraint is not None and reason == "length":
+        self._truncated_call(out)
       elif self._phase == "call":
         self._malformed(out, "no closing <|/tool_call|> before the end of generation "
                         f"(finish reason {reason!r})")
@@ -334,6 +374,8 @@ class OutputProcessor:
       self._end_text_run(out)
       if self._finish is None:
         self._phase, self._call_ids = "call", []
+        if self._calls is not None:
+          self._calls.reset()
     elif self._phase == "answer" and token_id == ids["think"] and self._may_open_think:
       # thinking off, but the model opened a thinking block itself before any
       # answer: it gets the budget (0 = forced closed at the next step).
@@ -350,6 +392,17 @@ class OutputProcessor:
       self._malformed(out, str(e))
       return
     call = ToolCall(id=self._prefix + secrets.token_hex(12), name=name, arguments=args)
+    out.append(ToolCallDelta(index=len(self.tool_calls), call=call))
+    self.tool_calls.append(call)
+    self._phase, self._call_ids = "answer", []
+
+  def _truncated_call(self, out: list[Delta]) -> None:
+    """A forced call cut by max_tokens: delivered as a truncated call (the constraint made its text
+    a prefix of `{"name": "NAME", "arguments": {...}}`), as the vendors return one."""
+    name, args = split_call_prefix(self._tok.decode(self._call_ids))
+    if self._choice.mode == "named":
+      name = self._choice.name
+    call = ToolCall(id=self._prefix + secrets.token_hex(12), name=name, arguments=args, truncated=True)
     out.append(ToolCallDelta(index=len(self.tool_calls), call=call))
     self.tool_calls.append(call)
     self._phase, self._call_ids = "answer", []

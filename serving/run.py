@@ -1,8 +1,9 @@
 """Running generations for the API front-ends: submit to the engine, collect or stream the events.
 
-A prepared request (serving/prepare.py) is submitted as one engine `Request`
-per choice; the front-end then either collects each handle's events into one
-`Result` (non-streaming) or forwards them as they come (`stream_events`,
+A prepared request (serving/prepare.py: rendered off the event loop, its
+processor built) is submitted as one engine `Request` per choice; the
+front-end then either collects each handle's events into one `Result`
+(non-streaming) or forwards them as they come (`stream_events`,
 `merge_streams`) in server-sent events (`sse`, `EventStreamResponse`).
 
 Cancellation: a streaming client that goes away must free its slot at once
@@ -28,17 +29,13 @@ from starlette.responses import StreamingResponse
 from serving.context import ServerContext
 from serving.errors import APIError
 from serving.handle import Handle, Request
-from serving.output import AUTO, OutputProcessor
-from serving.prepare import check_images, make_processor, render
+from serving.output import OutputProcessor
 from serving.types import (
-  Message,
   SamplingParams,
   TextDelta,
   ThinkingDelta,
-  Tool,
   ToolCall,
   ToolCallDelta,
-  ToolChoice,
   Usage,
 )
 
@@ -60,42 +57,6 @@ def submit(ctx: ServerContext, prompt_ids: Sequence[int], images: Sequence[np.nd
   pixels = np.stack([np.asarray(im, np.float32) for im in images]) if images else None
   request = Request(prompt_ids=list(prompt_ids), params=params, images=pixels, processor=processor)
   return ctx.engine.submit(request, loop=asyncio.get_running_loop())
-
-
-def start_generation(ctx: ServerContext, messages: list[Message], *, tools: Sequence[Tool] = (),
-                     tool_choice: ToolChoice = AUTO, thinking: bool, thinking_budget: int | None,
-                     effort: str | None, params: SamplingParams, stop: Sequence[str] = (),
-                     call_id_prefix: str = "call_",
-                     continue_final: bool = False) -> tuple[Handle, int, OutputProcessor]:
-  """Renders, builds the output processor and submits one generation.
-
-  Args:
-    ctx: the server's context (renderer, engine, tokenizer, limits).
-    messages: the conversation.
-    tools, tool_choice: what the model may / must call.
-    thinking: the generation prompt opens a thinking block.
-    thinking_budget: most thinking tokens (None: unlimited).
-    effort: the tier stated in the system part ("low" | "high" | "max"; only when thinking).
-    params: sampling parameters (max_tokens counts thinking).
-    stop: stop strings on the answer text.
-    call_id_prefix: "call_" (OpenAI) or "toolu_" (Anthropic).
-    continue_final: continue the final assistant message (prefill); the output
-      starts in the answer, after any thinking of that message.
-
-  Returns:
-    (handle, prompt_token_count, processor).
-
-  Raises:
-    APIError: a malformed conversation (400, naming the field).
-    RequestError / OverloadedError: the engine refused it (the server maps them).
-  """
-  rendered = render(ctx, messages, tools=tools, thinking=thinking, effort=effort,
-                    continue_final=continue_final)
-  check_images(ctx, len(rendered.images), "messages")
-  processor = make_processor(ctx, thinking=thinking and not continue_final, thinking_budget=thinking_budget,
-                             stop=stop, tools=tools, tool_choice=tool_choice, call_id_prefix=call_id_prefix)
-  handle = submit(ctx, rendered.ids, rendered.images, processor, params)
-  return handle, len(rendered.ids), processor
 
 
 async def watch_disconnect(request, handles: Sequence[Any]) -> None:

@@ -16,8 +16,22 @@ everything else in OpenAI's `{"error": {"message", "type", "param", "code"}}`
 
 `/health` is open (load balancers probe it without credentials); every other
 route needs the key when `config.serving.api_key` is set. The body limit
-(`config.serving.max_body_bytes`) is enforced while reading, so a client that
-streams an oversized chunked body is cut off at the limit, not after.
+(`config.serving.max_body_bytes`) is enforced before any parsing: from
+Content-Length when one is sent, else while reading, so a client that streams
+an oversized chunked body is cut off at the limit, not after (413 in the
+API's error shape).
+
+Ready means warm: `/health` answers 503 `{"status": "warming", "reason"}`
+until the engine's jitted programs are compiled (serving/warmup.py, started by
+`create_app` when `config.serving.warmup`), then 200. The other routes serve
+meanwhile; generation requests queue in the engine behind the warm-up.
+
+Beyond JSON parsing (milliseconds, bounded by the body limit), nothing that
+costs time in proportion to the request runs on the event loop: rendering
+(tokenization) and image decoding run in worker threads, and a prompt whose
+length alone proves it cannot fit the context is refused before it is
+tokenized (serving/prepare.py), so one huge request cannot stall the streams
+of the others (tests/test_server_limits.py).
 """
 
 from __future__ import annotations
@@ -45,6 +59,7 @@ from serving.errors import (
   is_anthropic_path,
   validation_message,
 )
+from serving.warmup import Warmup
 
 _log = logging.getLogger(__name__)
 
@@ -166,10 +181,10 @@ def _model_card(ctx: ServerContext) -> dict[str, Any]:
 
 def _add_operational_routes(app: fastapi.FastAPI) -> None:
   @app.get("/health")
-  async def health(ctx: Context) -> JSONResponse:
-    alive = ctx.engine.running
-    return JSONResponse({"status": "ok" if alive else "engine stopped", "model": ctx.model_name},
-                        status_code=200 if alive else 503)
+  async def health(request: fastapi.Request) -> JSONResponse:
+    """200 once the engine runs and its programs are compiled; 503 with the reason before."""
+    status, body = request.app.state.warmup.health()
+    return JSONResponse(body, status_code=status, headers=None if status == 200 else {"Retry-After": "5"})
 
   @app.get("/metrics")
   async def metrics(request: fastapi.Request, ctx: Context) -> Response:
@@ -201,11 +216,14 @@ def create_app(engine, tokenizer, config) -> fastapi.FastAPI:
 
   Returns:
     A FastAPI app; its routes receive the `ServerContext` built here
-    (serving/context.py), kept as `app.state.context`.
+    (serving/context.py), kept as `app.state.context`. The warm-up
+    (serving/warmup.py) starts here, in a background thread, kept as
+    `app.state.warmup`; `/health` is 200 once it is done.
   """
   ctx = ServerContext.build(engine, tokenizer, config)
   app = fastapi.FastAPI(title="Horizon", docs_url=None, redoc_url=None, openapi_url=None)
   app.state.context = ctx
+  app.state.warmup = Warmup(ctx, enabled=bool(config.serving.get("warmup", True))).start()
   _install_error_handlers(app)
   _add_operational_routes(app)
   app.include_router(openai_api.router)
@@ -230,6 +248,7 @@ class BackgroundServer:
         s.bind((host, 0))
         port = s.getsockname()[1]
     self.url = f"http://{host}:{port}"
+    self.app = app
     self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                                  lifespan="off"))
     self._thread = threading.Thread(target=self._server.run, name="horizon-server", daemon=True)
@@ -242,6 +261,17 @@ class BackgroundServer:
       if not self._thread.is_alive() or time.monotonic() > deadline:
         raise RuntimeError(f"the server at {self.url} did not start within {timeout} s (port taken?).")
       time.sleep(0.02)
+    return self
+
+  def wait_ready(self, timeout: float = 600.0) -> "BackgroundServer":
+    """Returns once the app's warm-up is done (/health is 200); raises if it failed or timed out."""
+    warmup = getattr(self.app.state, "warmup", None)
+    if warmup is None:
+      return self
+    if not warmup.wait(timeout):
+      raise RuntimeError(f"the server at {self.url} did not warm up within {timeout} s.")
+    if not warmup.ready:
+      raise RuntimeError(f"the server at {self.url} failed to warm up: {warmup.error}")
     return self
 
   def stop(self, timeout: float = 10.0) -> None:

@@ -33,18 +33,38 @@ Part = TextPart | ImagePart
 
 @dataclasses.dataclass(frozen=True)
 class ToolCall:
-  """A call the model made: `arguments` is a JSON object as text."""
+  """A call the model made: `arguments` is a JSON object as text.
+
+  truncated: generation stopped inside the call (max_tokens or the context), so
+  `arguments` is an unfinished prefix of the JSON (and `name` may be cut too);
+  the APIs return it with finish_reason 'length' / stop_reason 'max_tokens'.
+  """
   id: str
   name: str
   arguments: str
+  truncated: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class Tool:
-  """A tool the model may call: `parameters` is its JSON schema (an object schema)."""
+  """A tool the model may call: `parameters` is its JSON schema (an object schema).
+
+  strict: every call to it is constrained to `parameters` (OpenAI `function.strict`,
+  Anthropic `strict`), also when the model chooses to call it (tool_choice auto).
+  """
   name: str
   description: str = ""
   parameters: dict[str, Any] = dataclasses.field(default_factory=lambda: {"type": "object"})
+  strict: bool = False
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ResponseFormat:
+  """The answer must be one JSON document: valid under `schema`, or any object when None.
+
+  OpenAI `response_format` json_schema / json_object, Anthropic `output_config.format`.
+  """
+  schema: dict[str, Any] | None = None
 
 
 @dataclasses.dataclass

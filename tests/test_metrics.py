@@ -117,7 +117,7 @@ def test_logger_files_progress_and_summary(tmp_path):
   assert records[0]["load/max_over_mean"] == 1.5 and "ignored" not in records[1]
   assert records[2]["perplexity"] is None  # non-finite -> null keeps the file strict JSON
   summary = logger.close()
-  assert summary["steps"] == 3 and summary["last_step"] == 2
+  assert summary["logged_steps"] == 3 and summary["last_step"] == 2
   assert summary["final_loss"] == 2.5 and summary["min_loss"] == 2.0
   assert summary["mean_tokens_per_s"] == pytest.approx(200.0)  # first (compile) step excluded
   assert summary["mean_mfu"] == pytest.approx(0.2)
@@ -127,7 +127,7 @@ def test_logger_files_progress_and_summary(tmp_path):
   assert len(out) == 4 and "\r" not in stream.getvalue()
   assert out[0].startswith("step 1/10 [##") and "loss 3.0000" in out[0] and "MFU 1.00%" in out[0]
   assert "tok/s 300.0" in out[2] and "eta 0m" in out[2]
-  assert out[3].startswith("summary: ") and json.loads(out[3][len("summary: "):])["steps"] == 3
+  assert out[3].startswith("summary: ") and json.loads(out[3][len("summary: "):])["logged_steps"] == 3
   with pytest.raises(RuntimeError, match="closed"):
     logger.log(3, {"loss": 1.0})
   # A second run appends to the same JSONL file.

@@ -369,3 +369,22 @@ def test_constrained_tool_choice(tok, choice, thinking):
     assert proc.thinking_tokens == (4 if thinking else 0)
     assert proc.next_constraint() is None
 
+
+
+@pytest.mark.parametrize("choice", [ToolChoice("required"), ToolChoice("named", "add")])
+def test_forced_call_cut_by_length_is_a_truncated_call(tok, choice):
+  """A forced call that max_tokens cuts short is delivered as a truncated call, not as text."""
+  proc = OutputProcessor(tok, thinking=False, thinking_budget=None, tools=TOOLS, tool_choice=choice)
+  rng, deltas = np.random.default_rng(3), []
+  for _ in range(12):
+    c = proc.next_constraint()
+    token = int(c) if isinstance(c, (int, np.integer)) else int(rng.choice(np.flatnonzero(c)))
+    out, reason = proc.feed(token)
+    deltas += out
+    assert reason is None and out == []  # nothing streams while the call is open
+  deltas += proc.close("length")
+  (call,) = [d.call for d in deltas if isinstance(d, ToolCallDelta)]
+  assert call.truncated and proc.tool_calls == [call] and proc.text == ""
+  assert proc.finish_reason("length") == "length"
+  assert call.name == "add" if choice.mode == "named" else any(t.name.startswith(call.name) for t in TOOLS)
+  assert '{"name": ' not in call.arguments  # only the arguments' JSON so far

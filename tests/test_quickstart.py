@@ -21,4 +21,8 @@ def test_quickstart_trains_below_unigram_and_samples(tmp_path):
   out = json.loads(run.stdout.strip().splitlines()[-1])
   assert out["loss_over_unigram"] < 0.8, out
   assert out["decode_max_logit_diff"] < 1e-3 and out["sample"] and out["steps"] == 300
+  assert out["steps_this_launch"] == 300 and "trained 300 steps" in run.stdout
+  # INFO chatter (orbax, absl) goes to <workdir>/logs; the console keeps progress, results, warnings.
+  assert len(run.stderr.splitlines()) < 20, run.stderr[-3000:]
+  assert any(p.name.startswith("quickstart") for p in (tmp_path / "logs").iterdir())
   assert (tmp_path / "metrics.jsonl").exists() and (tmp_path / "checkpoints" / "300").is_dir()

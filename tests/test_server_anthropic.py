@@ -25,6 +25,7 @@ from serving.chat import ChatRenderer
 from serving.types import Message, TextPart
 
 KEY = "test-key"
+MODEL = "horizon-tiny"  # what the server serves (configs/serve.py:tiny); other names are 404s
 GREEDY = {"temperature": 0}
 TOOLS = [{"name": "f", "input_schema": {"type": "object", "properties": {"c": {"type": "string",
                                                                            "enum": ["a", "b"]}},
@@ -37,7 +38,7 @@ def client(server_url):
 
 
 def _create(client, **kw):
-  return client.messages.create(model="horizon", extra_body=GREEDY, **kw)
+  return client.messages.create(model=MODEL, extra_body=GREEDY, **kw)
 
 
 def _tool_request():
@@ -91,7 +92,7 @@ def _parse(serve_config, body, key=b"key", **kw):
 
 
 def _body(messages, **kw):
-  return {"model": "m", "max_tokens": 32, "messages": messages, **kw}
+  return {"model": MODEL, "max_tokens": 32, "messages": messages, **kw}
 
 
 def test_parse_translation(serve_config):
@@ -133,7 +134,7 @@ def test_parse_translation(serve_config):
 
 
 @pytest.mark.parametrize("body, needle", [
-    ({"model": "m", "messages": [{"role": "user", "content": "x"}]}, "max_tokens: Field required"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}]}, "max_tokens: Field required"),
     (_body([{"role": "system", "content": "x"}]), "messages.0.role: Input should be 'user' or 'assistant'"),
     (_body([{"role": "user", "content": "x"}], thinking={"type": "enabled", "budget_tokens": 32}),
      "`max_tokens` must be greater than `thinking.budget_tokens`"),
@@ -179,7 +180,7 @@ def test_create_message_and_count_tokens(client):
   assert all(b.type == "text" for b in resp.content)  # thinking is off by default (default_effort none)
   assert resp.stop_reason in ("end_turn", "max_tokens") and resp.stop_sequence is None
   assert 1 <= resp.usage.output_tokens <= 12
-  count = client.messages.count_tokens(model="horizon", system=kw["system"], messages=kw["messages"])
+  count = client.messages.count_tokens(model=MODEL, system=kw["system"], messages=kw["messages"])
   assert count.input_tokens == resp.usage.input_tokens
 
 
@@ -203,12 +204,12 @@ def test_prefill_continues_the_final_assistant_message(client, engine):
   ids, _, _ = engine.generate(Request(prompt_ids=prefix, params=SamplingParams(max_tokens=6, temperature=0)))
   want = engine.tokenizer.decode([i for i in ids if i not in engine.default_stop_ids], skip_special=True)
   assert "".join(b.text for b in resp.content) == want
-  count = client.messages.count_tokens(model="horizon", messages=messages)
+  count = client.messages.count_tokens(model=MODEL, messages=messages)
   assert count.input_tokens == len(prefix)
   # An empty final assistant message is no prefill: a normal new turn.
   plain = _create(client, max_tokens=4, messages=[messages[0], {"role": "assistant", "content": ""}])
   assert plain.usage.input_tokens == client.messages.count_tokens(
-      model="horizon", messages=[messages[0]]).input_tokens
+      model=MODEL, messages=[messages[0]]).input_tokens
 
 
 def test_stop_sequence(client):
@@ -246,7 +247,7 @@ def _check_order(types_and_data):
 
 def test_stream_matches_create(client, tool_turn):
   kw, expected = tool_turn
-  with client.messages.stream(model="horizon", extra_body=GREEDY, **kw) as stream:
+  with client.messages.stream(model=MODEL, extra_body=GREEDY, **kw) as stream:
     raw = [(e.type, e.model_dump()) for e in stream
            if e.type in ("message_start", "content_block_start", "content_block_delta", "content_block_stop",
                          "message_delta", "message_stop")]
@@ -280,7 +281,7 @@ def _sse(server_url, body):
 
 
 def test_raw_stream_events_and_pings(server_url, monkeypatch):
-  body = {"model": "m", "max_tokens": 6, "stream": True, "temperature": 0, "messages": [
+  body = {"model": MODEL, "max_tokens": 6, "stream": True, "temperature": 0, "messages": [
       {"role": "user", "content": "Hi"}], "thinking": {"type": "enabled", "budget_tokens": 2}}
   events = _sse(server_url, body)
   assert [t for t, _ in events[:2]] == ["message_start", "ping"]
@@ -382,9 +383,9 @@ def test_image(client, engine):
   image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": _png(13, 7, 0)}}
   messages = [{"role": "user", "content": [image, {"type": "text", "text": "What?"}]}]
   resp = _create(client, max_tokens=3, messages=messages)
-  with_image = client.messages.count_tokens(model="m", messages=messages).input_tokens
+  with_image = client.messages.count_tokens(model=MODEL, messages=messages).input_tokens
   assert resp.usage.input_tokens == with_image
-  without = client.messages.count_tokens(model="m", messages=[{"role": "user", "content": "What?"}])
+  without = client.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "What?"}])
   assert with_image - without.input_tokens == engine.cfg.vision.num_patches
   url = {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}
   with pytest.raises(anthropic.BadRequestError) as e:
@@ -394,7 +395,7 @@ def test_image(client, engine):
 
 def test_errors_in_anthropic_shape(client, server_url):
   r = httpx.post(server_url + "/v1/messages", headers={"x-api-key": KEY},
-                 json={"model": "m", "messages": [{"role": "user", "content": "x"}]})
+                 json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
   assert r.status_code == 400
   assert r.json() == {"type": "error", "error": {"type": "invalid_request_error",
                                                  "message": "max_tokens: Field required"}}
@@ -411,10 +412,10 @@ def test_errors_in_anthropic_shape(client, server_url):
 def test_auth(server_url):
   bad = anthropic.Anthropic(base_url=server_url, api_key="wrong", max_retries=0)
   with pytest.raises(anthropic.AuthenticationError) as e:
-    bad.messages.create(model="m", max_tokens=2, messages=[{"role": "user", "content": "x"}])
+    bad.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "x"}])
   assert e.value.status_code == 401 and _error(e.value)["type"] == "authentication_error"
   for path in ("/v1/messages", "/v1/messages/count_tokens"):
-    r = httpx.post(server_url + path, json={"model": "m", "messages": []})
+    r = httpx.post(server_url + path, json={"model": MODEL, "messages": []})
     assert r.status_code == 401
     assert r.json()["type"] == "error" and r.json()["error"]["type"] == "authentication_error"
 
@@ -428,7 +429,7 @@ def _wait_cancelled(engine, before):
 
 def test_client_disconnect_frees_the_slot(server_url, engine):
   # Greedy, this prompt runs ~140 tokens (~0.3 s on an idle box): the client leaves long before.
-  body = {"model": "m", "max_tokens": 240, "temperature": 0,
+  body = {"model": MODEL, "max_tokens": 240, "temperature": 0,
           "messages": [{"role": "user", "content": "Go on."}]}
   before = engine.metrics.requests.value(status="cancelled")
   with httpx.stream("POST", server_url + "/v1/messages", json=dict(body, stream=True), timeout=60,
@@ -441,3 +442,69 @@ def test_client_disconnect_frees_the_slot(server_url, engine):
   with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up
     httpx.post(server_url + "/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=0.05)
   _wait_cancelled(engine, before)
+
+
+# ---- structured outputs: tools[].strict, output_config.format --------------------------
+FORMAT_SCHEMA = {"type": "object", "properties": {"c": {"type": "string", "pattern": "^[a-z]{1,3}$"},
+                                                  "n": {"type": "integer", "minimum": 1, "maximum": 9}},
+                 "required": ["c", "n"]}
+BAD_SCHEMA = {"type": "object", "properties": {"s": {"type": "array", "uniqueItems": True}}}
+
+
+def test_parse_structured_outputs(serve_config):
+  user = [{"role": "user", "content": "x"}]
+  strict = [{**TOOLS[0], "strict": True}]
+  req = _parse(serve_config, _body(user, tools=strict, output_config={"format": {
+      "type": "json_schema", "schema": FORMAT_SCHEMA}}))
+  assert req.tools[0].strict and req.response_format.schema == FORMAT_SCHEMA
+  plain = _parse(serve_config, _body(user, tools=TOOLS))
+  assert not plain.tools[0].strict and plain.response_format is None
+
+
+@pytest.mark.parametrize("kw, needle", [
+    (dict(tools=[{**TOOLS[0], "input_schema": BAD_SCHEMA, "strict": True}]), "tools.0.input_schema: "),
+    (dict(tools=[{**TOOLS[0], "input_schema": BAD_SCHEMA}], tool_choice={"type": "any"}),
+     "tools.0.input_schema: "),
+    (dict(output_config={"format": {"type": "json_schema", "schema": BAD_SCHEMA}}),
+     "output_config.format.schema: "),
+    (dict(output_config={"format": {"type": "json_schema", "schema": {"type": "strng"}}}),
+     "output_config.format.schema: "),
+    (dict(output_config={"format": {"type": "xml"}}), "output_config.format.type"),
+    (dict(output_config={"format": {"type": "json_schema"}}), "output_config.format.schema"),
+])
+def test_parse_structured_output_errors(serve_config, kw, needle):
+  with pytest.raises(InvalidRequest) as e:
+    _parse(serve_config, _body([{"role": "user", "content": "x"}], **kw))
+  assert e.value.message.startswith(needle) and e.value.status == 400, e.value.message
+  prefill = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "{"}]
+  with pytest.raises(InvalidRequest, match="output_config.format"):
+    _parse(serve_config, _body(prefill, output_config={"format": {"type": "json_schema",
+                                                                  "schema": FORMAT_SCHEMA}}))
+
+
+def test_output_config_format_constrains_the_text(client):
+  import jsonschema
+
+  for temperature in (0, 1):
+    resp = client.messages.create(
+        model=MODEL, max_tokens=60, messages=[{"role": "user", "content": "JSON"}],
+        extra_body={"temperature": temperature, "thinking": {"type": "disabled"},
+                    "output_config": {"format": {"type": "json_schema", "schema": FORMAT_SCHEMA}}})
+    assert [b.type for b in resp.content] == ["text"] and resp.stop_reason == "end_turn"
+    jsonschema.validate(json.loads(resp.content[0].text), {**FORMAT_SCHEMA, "additionalProperties": False})
+
+
+def test_strict_tool_input_follows_the_schema(client):
+  import jsonschema
+
+  schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 10, "maximum": 12}},
+            "required": ["n"]}
+  tool = {"name": "g", "input_schema": schema, "strict": True}
+  for temperature in (0, 1):
+    resp = client.messages.create(
+        model=MODEL, max_tokens=56, messages=[{"role": "user", "content": "Call g."}], tools=[tool],
+        tool_choice={"type": "any"},
+        extra_body={"temperature": temperature, "thinking": {"type": "disabled"}})
+    (call,) = [b for b in resp.content if b.type == "tool_use"]
+    assert call.name == "g" and resp.stop_reason == "tool_use"
+    jsonschema.validate(call.input, {**schema, "additionalProperties": False})

@@ -23,6 +23,7 @@ from serving.chat import ChatRenderer
 from serving.types import Message, TextPart, Tool, ToolCall
 
 KEY = "test-key"
+MODEL = "horizon-tiny"  # what the server serves (configs/serve.py:tiny); other names are 404s
 TOOL = {"type": "function", "function": {
     "name": "f", "description": "",
     "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}
@@ -81,7 +82,7 @@ def _error(exc_info):
 
 
 def test_chat_returns_text(client):
-  r = client.chat.completions.create(model="horizon-tiny", messages=_user("Hello there"),
+  r = client.chat.completions.create(model=MODEL, messages=_user("Hello there"),
                                      max_completion_tokens=6, seed=1)
   assert r.object == "chat.completion" and r.model == "horizon-tiny" and r.id.startswith("chatcmpl-")
   (choice,) = r.choices
@@ -94,7 +95,7 @@ def test_chat_returns_text(client):
 
 def test_reasoning_effort_budget(client, engine, renderer, serve_config):
   budget = serve_config.serving.thinking_budgets.low
-  r = client.chat.completions.create(model="m", messages=_user("Think about 7 * 6."),
+  r = client.chat.completions.create(model=MODEL, messages=_user("Think about 7 * 6."),
                                      reasoning_effort="low", max_completion_tokens=budget + 6, seed=3)
   msg = r.choices[0].message
   reasoning = msg.model_extra["reasoning_content"]
@@ -110,11 +111,11 @@ def test_reasoning_effort_budget(client, engine, renderer, serve_config):
   user = [Message("user", [TextPart("Think about 7 * 6.")])]
   for effort, tier in (("low", "low"), ("medium", "high"), ("high", "high"), ("xhigh", "max"),
                        ("max", "max")):
-    r2 = client.chat.completions.create(model="m", messages=_user("Think about 7 * 6."),
+    r2 = client.chat.completions.create(model=MODEL, messages=_user("Think about 7 * 6."),
                                         reasoning_effort=effort, max_completion_tokens=2, seed=3)
     assert 0 < r2.usage.completion_tokens_details.reasoning_tokens <= 2
     assert r2.usage.prompt_tokens == len(renderer.render(user, effort=tier, thinking=True).ids)
-  off = client.chat.completions.create(model="m", messages=_user("Think about 7 * 6."),
+  off = client.chat.completions.create(model=MODEL, messages=_user("Think about 7 * 6."),
                                        reasoning_effort="none", max_completion_tokens=2, seed=3)
   assert off.usage.completion_tokens_details.reasoning_tokens == 0
   assert off.usage.prompt_tokens == len(renderer.render(user, thinking=False).ids)
@@ -122,7 +123,7 @@ def test_reasoning_effort_budget(client, engine, renderer, serve_config):
 
 def _tool_turn(client, choice, **kw):
   return client.chat.completions.create(
-      model="m", messages=_user("Call f."), tools=[TOOL], tool_choice=choice, reasoning_effort="low",
+      model=MODEL, messages=_user("Call f."), tools=[TOOL], tool_choice=choice, reasoning_effort="low",
       max_completion_tokens=80, seed=5, temperature=1.0, **kw)
 
 
@@ -154,7 +155,7 @@ def test_tool_call_round_trip_keeps_thinking(client, engine, renderer, serve_con
                "tool_calls": [{"id": call.id, "type": "function",
                                "function": {"name": "f", "arguments": call.function.arguments}}]}
   tool_msg = {"role": "tool", "tool_call_id": call.id, "content": "42"}
-  r2 = client.chat.completions.create(model="m", messages=_user("Call f.") + [assistant, tool_msg],
+  r2 = client.chat.completions.create(model=MODEL, messages=_user("Call f.") + [assistant, tool_msg],
                                       tools=[TOOL], reasoning_effort="low", max_completion_tokens=3,
                                       seed=6)
   tools = [Tool("f", "", TOOL["function"]["parameters"])]
@@ -175,14 +176,14 @@ def test_tool_call_round_trip_keeps_thinking(client, engine, renderer, serve_con
   assert r2.usage.prompt_tokens > r.usage.prompt_tokens + r.usage.completion_tokens_details.reasoning_tokens
   # `reasoning` (the other spelling) is accepted the same way.
   assistant["reasoning"] = assistant.pop("reasoning_content")
-  r3 = client.chat.completions.create(model="m", messages=_user("Call f.") + [assistant, tool_msg],
+  r3 = client.chat.completions.create(model=MODEL, messages=_user("Call f.") + [assistant, tool_msg],
                                       tools=[TOOL], reasoning_effort="low", max_completion_tokens=3,
                                       seed=6)
   assert r3.usage.prompt_tokens == r2.usage.prompt_tokens
 
 
 def test_streaming_equals_non_streaming(client):
-  kw = dict(model="m", messages=[{"role": "developer", "content": "Be brief."}] + _user("Count."),
+  kw = dict(model=MODEL, messages=[{"role": "developer", "content": "Be brief."}] + _user("Count."),
             reasoning_effort="low", max_completion_tokens=14, seed=11, temperature=0.9, top_p=0.95)
   r = client.chat.completions.create(**kw)
   content, reasoning, calls, finish, usage, n = _assemble(
@@ -195,7 +196,7 @@ def test_streaming_equals_non_streaming(client):
 
 
 def test_raw_sse_framing(server_url):
-  body = {"model": "m", "messages": _user("hi"), "max_tokens": 3, "stream": True, "seed": 1}
+  body = {"model": MODEL, "messages": _user("hi"), "max_tokens": 3, "stream": True, "seed": 1}
   with httpx.stream("POST", server_url + "/v1/chat/completions", json=body, timeout=60,
                     headers={"Authorization": f"Bearer {KEY}"}) as resp:
     assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
@@ -208,7 +209,7 @@ def test_raw_sse_framing(server_url):
 
 
 def test_n_choices_are_seeded_independent_generations(client):
-  kw = dict(model="m", messages=_user("Go"), max_tokens=5, temperature=1.0)
+  kw = dict(model=MODEL, messages=_user("Go"), max_tokens=5, temperature=1.0)
   r = client.chat.completions.create(n=3, seed=20, **kw)
   assert [c.index for c in r.choices] == [0, 1, 2]
   for i, choice in enumerate(r.choices):  # choice i == a single request with seed 20 + i
@@ -222,7 +223,7 @@ def test_images_change_the_output(client, engine):
     content = [{"type": "text", "text": "What is this?"}]
     if image is not None:
       content.append({"type": "image_url", "image_url": {"url": image}})
-    return client.chat.completions.create(model="m", messages=[{"role": "user", "content": content}],
+    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
                                           max_tokens=8, temperature=0.0, seed=0)
   none, a, a2, b = ask(None), ask(_png(1)), ask(_png(1)), ask(_png(2))
   patches = engine.cfg.vision.num_patches
@@ -232,7 +233,7 @@ def test_images_change_the_output(client, engine):
 
 
 def test_completions(client):
-  kw = dict(model="m", prompt="def add(a, b):", max_tokens=6, seed=4)
+  kw = dict(model=MODEL, prompt="def add(a, b):", max_tokens=6, seed=4)
   r = client.completions.create(**kw)
   assert r.object == "text_completion" and isinstance(r.choices[0].text, str)
   assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens <= 6
@@ -240,7 +241,7 @@ def test_completions(client):
   assert streamed == r.choices[0].text
   echo = client.completions.create(echo=True, **kw)
   assert echo.choices[0].text == "def add(a, b):" + r.choices[0].text
-  two = client.completions.create(model="m", prompt=["a", "b"], max_tokens=2, n=2, seed=1)
+  two = client.completions.create(model=MODEL, prompt=["a", "b"], max_tokens=2, n=2, seed=1)
   assert [c.index for c in two.choices] == [0, 1, 2, 3]
 
 
@@ -280,15 +281,23 @@ def test_models(client, server_url):
 ])
 def test_errors_name_the_param(client, kw, param):
   with pytest.raises(openai.BadRequestError) as e:
-    client.chat.completions.create(model="m", **kw)
+    client.chat.completions.create(model=MODEL, **kw)
   err = _error(e)
   assert e.value.status_code == 400 and err["type"] == "invalid_request_error" and err["param"] == param
   assert err["message"]
 
 
-def test_unknown_model_name_is_fine(client):
-  r = client.chat.completions.create(model="gpt-4o", messages=_user("x"), max_tokens=1)
-  assert r.model == "horizon-tiny"
+def test_unknown_model_is_404_missing_model_is_400(client, server_url):
+  with pytest.raises(openai.NotFoundError) as e:
+    client.chat.completions.create(model="gpt-4o", messages=_user("x"), max_tokens=1)
+  err = _error(e)
+  assert err["code"] == "model_not_found" and err["param"] == "model" and "'horizon-tiny'" in err["message"]
+  with pytest.raises(openai.NotFoundError):
+    client.completions.create(model="gpt-4o", prompt="x", max_tokens=1)
+  missing = httpx.post(server_url + "/v1/chat/completions", json={"messages": _user("x")},
+                       headers={"Authorization": f"Bearer {KEY}"})
+  assert missing.status_code == 400 and missing.json()["error"]["param"] == "model"
+  assert client.chat.completions.create(model=MODEL, messages=_user("x"), max_tokens=1).model == MODEL
 
 
 def test_http_errors_are_reshaped(server_url):
@@ -322,7 +331,7 @@ def test_http_errors_are_reshaped(server_url):
 def test_auth(server_url):
   wrong = openai.OpenAI(base_url=server_url + "/v1", api_key="wrong", max_retries=0)
   with pytest.raises(openai.AuthenticationError) as e:
-    wrong.chat.completions.create(model="m", messages=_user("x"), max_tokens=1)
+    wrong.chat.completions.create(model=MODEL, messages=_user("x"), max_tokens=1)
   assert e.value.status_code == 401 and _error(e)["code"] == "invalid_api_key"
   missing = httpx.post(server_url + "/v1/chat/completions", json={"messages": _user("x")})
   assert missing.status_code == 401 and missing.json()["error"]["type"] == "authentication_error"
@@ -331,7 +340,7 @@ def test_auth(server_url):
   assert anthropic_401.status_code == 401
   assert anthropic_401.json()["error"]["type"] == "authentication_error"
   ok = httpx.post(server_url + "/v1/chat/completions", headers={"x-api-key": KEY},
-                  json={"messages": _user("x"), "max_tokens": 1})
+                  json={"model": MODEL, "messages": _user("x"), "max_tokens": 1})
   assert ok.status_code == 200
 
 
@@ -346,7 +355,7 @@ def test_health_and_metrics(server_url):
 
 
 def test_disconnect_cancels_the_stream(client, server_url, engine):
-  kw = dict(model="m", messages=_user("Go on and on."), max_tokens=200)
+  kw = dict(model=MODEL, messages=_user("Go on and on."), max_tokens=200)
   # A seed whose generation runs to max_tokens (the random model may emit a stop token early).
   seed = next(s for s in range(20)
               if client.chat.completions.create(seed=s, **kw).choices[0].finish_reason == "length")
@@ -377,7 +386,7 @@ def test_disconnect_cancels_the_stream(client, server_url, engine):
 def test_32_concurrent_streams_equal_running_alone(server_url, engine):
   """Mixed prompt lengths, max_tokens and thinking; 4 slots, so most requests queue."""
   def kwargs(i):
-    kw = dict(model="m", messages=_user("a b " * (i % 7) + f"request {i}"), max_tokens=3 + (i * 5) % 17,
+    kw = dict(model=MODEL, messages=_user("a b " * (i % 7) + f"request {i}"), max_tokens=3 + (i * 5) % 17,
               seed=100 + i, temperature=1.0, stream=True)
     if i % 4 == 0:
       kw["reasoning_effort"] = "low"
@@ -411,7 +420,7 @@ def test_continue_final_message(client, engine, renderer):
   from serving.types import Message, SamplingParams, TextPart
 
   msgs = _user("def add(a, b):") + [{"role": "assistant", "content": "  return"}]
-  r = client.chat.completions.create(model="m", messages=msgs, max_tokens=6, temperature=0,
+  r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0,
                                      extra_body={"continue_final_message": True})
   conv = [Message("user", [TextPart("def add(a, b):")]), Message("assistant", [TextPart("  return")])]
   prefix = renderer.render(conv, continue_final=True).ids
@@ -420,6 +429,85 @@ def test_continue_final_message(client, engine, renderer):
   want = engine.tokenizer.decode([i for i in ids if i not in engine.default_stop_ids], skip_special=True)
   assert (r.choices[0].message.content or "") == want
   with pytest.raises(openai.BadRequestError) as e:
-    client.chat.completions.create(model="m", messages=_user("x"), max_tokens=2,
+    client.chat.completions.create(model=MODEL, messages=_user("x"), max_tokens=2,
                                    extra_body={"continue_final_message": True})
   assert "continue_final" in e.value.body["message"]
+
+
+# ---- structured outputs (serving/constrained.py on llguidance) -------------------------
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["c", "n", "ok"], "properties": {
+    "c": {"type": "string", "pattern": "^[a-z]{1,3}$"}, "n": {"type": "integer", "minimum": 1, "maximum": 9},
+    "ok": {"type": "boolean"}}}
+JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA, "strict": True}}
+
+
+def test_response_format_json_schema(client):
+  import jsonschema
+
+  kw = dict(model=MODEL, messages=_user("Answer in JSON."), response_format=JSON_SCHEMA,
+            max_completion_tokens=60, temperature=1.0)
+  for seed in range(3):
+    r = client.chat.completions.create(seed=seed, **kw)
+    (choice,) = r.choices
+    assert choice.finish_reason == "stop" and not choice.message.tool_calls
+    jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+  content, _, calls, finish, _, _ = _assemble(client.chat.completions.create(seed=2, stream=True, **kw))
+  assert (content, calls, finish) == (r.choices[0].message.content, {}, "stop")
+  text = client.chat.completions.create(model=MODEL, messages=_user("Answer in JSON."), seed=2,
+                                        max_completion_tokens=12, response_format={"type": "text"})
+  assert text.choices[0].message.content != r.choices[0].message.content  # text: unconstrained
+
+
+def test_response_format_json_object(client):
+  for seed in range(3):
+    r = client.chat.completions.create(model=MODEL, messages=_user("JSON please."), seed=seed,
+                                       response_format={"type": "json_object"}, max_completion_tokens=120)
+    content, finish = r.choices[0].message.content, r.choices[0].finish_reason
+    assert content.startswith("{")
+    if finish == "stop":
+      assert isinstance(json.loads(content), dict)
+    else:  # cut by max_completion_tokens: a prefix of an object
+      assert finish == "length"
+
+
+def test_strict_and_forced_tool_arguments_follow_the_schema(client):
+  import jsonschema
+
+  params = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 10, "maximum": 12}},
+            "required": ["n"]}  # short: the tool's schema is part of the tiny (256-token) prompt
+  strict = {"type": "function", "function": {"name": "g", "strict": True, "parameters": params}}
+  for seed in range(3):
+    r = client.chat.completions.create(model=MODEL, messages=_user("Call g."), tools=[strict], seed=seed,
+                                       tool_choice="required", max_completion_tokens=56,
+                                       reasoning_effort="none")
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "g" and r.choices[0].finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(call.function.arguments), {**params, "additionalProperties": False})
+
+
+BAD = {"type": "object", "properties": {"s": {"type": "array", "uniqueItems": True}}}
+
+
+@pytest.mark.parametrize("kw, param", [
+    (dict(response_format={"type": "xml"}), "response_format.type"),
+    (dict(response_format={"type": "json_schema"}), "response_format.json_schema"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"schema": SCHEMA}}),
+     "response_format.json_schema.name"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": BAD}}),
+     "response_format.json_schema.schema"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": {"type": "strng"}}}),
+     "response_format.json_schema.schema"),
+    (dict(tools=[{"type": "function", "function": {"name": "g", "strict": True, "parameters": BAD}}]),
+     "tools[0].function.parameters"),
+    (dict(tools=[TOOL, {"type": "function", "function": {"name": "g", "parameters": BAD}}],
+          tool_choice={"type": "function", "function": {"name": "g"}}), "tools[1].function.parameters"),
+    (dict(messages=_user("x") + [{"role": "assistant", "content": "{"}], response_format=JSON_SCHEMA,
+          extra_body={"continue_final_message": True}), "response_format"),
+])
+def test_structured_output_errors_name_the_field(client, kw, param):
+  kw = {"messages": _user("x"), **kw}
+  with pytest.raises(openai.BadRequestError) as e:
+    client.chat.completions.create(model=MODEL, max_completion_tokens=4, **kw)
+  err = _error(e)
+  assert e.value.status_code == 400 and err["param"] == param, err
+  assert err["message"].startswith(param) or param in err["message"]

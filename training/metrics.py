@@ -352,14 +352,15 @@ class MetricsLogger:
 
   def summary(self) -> dict:
     """Final and min loss, mean tokens/s and MFU over logged steps after the first (compile) one,
-    total seconds since the logger was created, and the number of logged steps."""
+    total seconds since the logger was created, and `logged_steps`: how many steps were logged
+    (every config.metrics.log_every-th, so not the number of steps trained)."""
     losses = [r["loss"] for r in self._records if isinstance(r.get("loss"), float)]
 
     def mean_after_first(key: str) -> float | None:
       values = [r[key] for r in self._records[1:] if isinstance(r.get(key), float)]
       return float(np.mean(values)) if values else None
 
-    return {"steps": len(self._records),
+    return {"logged_steps": len(self._records),
             "last_step": self._records[-1]["step"] if self._records else None,
             "final_loss": losses[-1] if losses else None,
             "min_loss": float(np.nanmin(losses)) if losses and not np.all(np.isnan(losses)) else None,

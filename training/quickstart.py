@@ -68,8 +68,9 @@ def run(config, workdir: str, *, prompt: str, new_tokens: int, temperature: floa
   Returns:
     final_loss (mean of the last 20 steps' losses), unigram_entropy,
     loss_over_unigram, decode_max_logit_diff, sample (the decoded text),
-    workdir, checkpoint_dir, latest_checkpoint, steps, mean_tokens_per_s,
-    mean_mfu, seconds.
+    workdir, checkpoint_dir, latest_checkpoint, steps (the training steps the
+    checkpoint holds), steps_this_launch (fewer when it resumed a run),
+    mean_tokens_per_s, mean_mfu, seconds.
   """
   if config.data.pipeline != "grain":
     raise ValueError(f"config.data.pipeline={config.data.pipeline!r}: the quickstart compares the "
@@ -80,11 +81,13 @@ def run(config, workdir: str, *, prompt: str, new_tokens: int, temperature: floa
   cfg = model_config(config)
   tokenizer = tokenizer_for(config)
   entropy = unigram_entropy(summary["prepared_dir"], cfg.vocab_size)
-  final = float(np.mean(summary["losses"][-20:]))
+  losses = summary["losses"]
+  final = float(np.mean(losses[-20:])) if losses else float("nan")  # nan: the run had already finished
   model = load_model(summary["checkpoint_dir"], cfg)
   ids, gap = sample(model, tokenizer.encode(prompt), new_tokens, temperature, config.seed)
   return {"final_loss": final, "unigram_entropy": entropy, "loss_over_unigram": final / entropy,
           "decode_max_logit_diff": gap, "sample": tokenizer.decode(ids), "workdir": str(workdir),
           "checkpoint_dir": summary["checkpoint_dir"], "latest_checkpoint": summary["latest_checkpoint"],
-          "steps": len(summary["losses"]), "mean_tokens_per_s": summary["mean_tokens_per_s"],
+          "steps": summary["latest_checkpoint"], "steps_this_launch": len(losses),
+          "mean_tokens_per_s": summary["mean_tokens_per_s"],
           "mean_mfu": summary["mean_mfu"], "seconds": round(time.perf_counter() - t0, 1)}

@@ -51,10 +51,10 @@ PROMPT = "Write a short story about a fox who learns to count the stars, one by 
 API_KEY = "bench"
 
 
-async def _one(client, seed: int, max_tokens: int) -> dict:
+async def _one(client, model: str, seed: int, max_tokens: int) -> dict:
   t0 = time.perf_counter()
   stream = await client.chat.completions.create(
-      model="horizon", messages=[{"role": "user", "content": PROMPT}], max_tokens=max_tokens,
+      model=model, messages=[{"role": "user", "content": PROMPT}], max_tokens=max_tokens,
       temperature=1.0, seed=seed, stream=True, stream_options={"include_usage": True})
   stamps, tokens = [], 0
   async for chunk in stream:
@@ -68,9 +68,9 @@ async def _one(client, seed: int, max_tokens: int) -> dict:
   return {"tokens": tokens, "ttft": ttft, "gaps": [b - a for a, b in zip(stamps, stamps[1:], strict=False)]}
 
 
-async def _level(client, clients: int, requests: int, max_tokens: int, seed0: int) -> dict:
+async def _level(client, model: str, clients: int, requests: int, max_tokens: int, seed0: int) -> dict:
   async def worker(c: int) -> list[dict]:
-    return [await _one(client, seed0 + c * requests + r, max_tokens) for r in range(requests)]
+    return [await _one(client, model, seed0 + c * requests + r, max_tokens) for r in range(requests)]
 
   t0 = time.perf_counter()
   results = [r for rs in await asyncio.gather(*(worker(c) for c in range(clients))) for r in rs]
@@ -82,10 +82,11 @@ async def _level(client, clients: int, requests: int, max_tokens: int, seed0: in
 async def _bench(url: str, max_tokens: int, requests: int, reps: int) -> list[dict]:
   async with openai.AsyncOpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0,
                                 timeout=3600) as client:
-    await _one(client, 0, max_tokens)  # warm-up: compiles prefill / decode / sampling
+    model = (await client.models.list()).data[0].id
+    await _one(client, model, 0, max_tokens)  # the server is warm (serving/warmup.py); this warms the client
     rows = []
     for clients in _LEVELS:
-      runs = [await _level(client, clients, requests, max_tokens, 1000 * (rep + 1))
+      runs = [await _level(client, model, clients, requests, max_tokens, 1000 * (rep + 1))
               for rep in range(reps)]
       tps = [r["tokens"] / r["wall"] for r in runs]
       ttft = [t for r in runs for t in r["ttft"]]
@@ -113,6 +114,7 @@ def main(argv) -> None:
   reps = _REPS.value or (1 if quick else 3)
   engine = build_engine(config, _CHECKPOINT.value).start()
   server = BackgroundServer(create_app(engine, engine.tokenizer, config)).start()
+  server.wait_ready()
   try:
     rows = asyncio.run(_bench(server.url, max_tokens, requests, reps))
   finally:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from rl.tasks.schema import Task
-from serving.json_automaton import validate_arguments
+from serving.grammar import validate_arguments
 from serving.types import Tool, ToolCall
 
 _log = logging.getLogger(__name__)

@@ -1,0 +1,84 @@
+"""Ready means warm (issue 15 §3): /health is 503 while the programs compile, then 200, and then the
+first request costs no more than 3x a steady-state one of the same size.
+
+Each test builds a fresh Engine over the session's model, so its jitted
+programs are new and compile again (the suite's persistent compilation cache
+makes that cheaper, not free). The control runs the same comparison with the
+warm-up off, which must fail it: the comparison can tell a cold server.
+"""
+
+import copy
+import logging
+import statistics
+import time
+
+import httpx
+
+from serving.engine import Engine
+from serving.server import BackgroundServer, create_app
+
+KEY = "test-key"
+MODEL = "horizon-tiny"
+BODY = {"model": MODEL, "messages": [{"role": "user", "content": "Count to ten, slowly. " * 4}],
+        "max_tokens": 40, "temperature": 1.0, "seed": 11}
+
+
+def _server(engine, serve_config, warmup: bool):
+  config = copy.deepcopy(serve_config)
+  config.serving.warmup = warmup
+  s = config.serving
+  fresh = Engine(engine.model, engine.tokenizer, slots=s.slots, max_context=s.max_context,
+                 prefill_chunk=s.prefill_chunk).start()
+  return fresh, BackgroundServer(create_app(fresh, fresh.tokenizer, config)).start()
+
+
+def _timed(client) -> float:
+  t0 = time.monotonic()
+  r = client.post("/v1/chat/completions", json=BODY)
+  assert r.status_code == 200, r.text
+  return time.monotonic() - t0
+
+
+def _first_and_steady(url: str) -> tuple[float, float]:
+  with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=600) as client:
+    assert client.get("/v1/models").status_code == 200  # the connection is open before timing
+    first = _timed(client)
+    steady = statistics.median(_timed(client) for _ in range(4))
+  return first, steady
+
+
+def test_health_waits_for_the_warm_up_then_the_first_request_is_warm(engine, serve_config, caplog):
+  fresh, server = _server(engine, serve_config, warmup=True)
+  try:
+    with caplog.at_level(logging.INFO, logger="serving.warmup"):
+      health = httpx.get(server.url + "/health")
+      assert health.status_code == 503 and health.json()["status"] == "warming", health.text
+      assert "compiling" in health.json()["reason"] and health.headers["retry-after"]
+      deadline = time.monotonic() + 600
+      while (health := httpx.get(server.url + "/health")).status_code != 200:
+        assert time.monotonic() < deadline and health.json()["status"] == "warming", health.text
+        time.sleep(0.05)
+    assert health.json()["status"] == "ok" and health.json()["warmup_seconds"] > 0
+    first, steady = _first_and_steady(server.url)
+    print(f"first request {first:.3f} s, steady state {steady:.3f} s; warm-up phases "
+          + ", ".join(f"{p}: {s:.2f} s" for p, s in server.app.state.warmup.phase_seconds.items()))
+    assert first <= 3 * steady, f"first request {first:.3f} s vs steady state {steady:.3f} s"
+    phases = server.app.state.warmup.phase_seconds
+    assert any("prefill" in p for p in phases) and any("vision encoder" in p for p in phases)
+    assert sum("took" in r.getMessage() for r in caplog.records) == len(phases)
+  finally:
+    server.stop()
+    fresh.stop()
+
+
+def test_without_warm_up_the_first_request_is_cold(engine, serve_config):
+  """The control: the same comparison fails on a server that does not warm up."""
+  fresh, server = _server(engine, serve_config, warmup=False)
+  try:
+    assert httpx.get(server.url + "/health").status_code == 200  # ready at once: nothing compiled
+    first, steady = _first_and_steady(server.url)
+    print(f"no warm-up: first request {first:.3f} s, steady state {steady:.3f} s")
+    assert first > 3 * steady, f"first request {first:.3f} s vs steady state {steady:.3f} s"
+  finally:
+    server.stop()
+    fresh.stop()
