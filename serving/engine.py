@@ -125,6 +125,7 @@ class Engine:
     # not a whole chunk's. A request's chunks and shapes depend on its prompt alone.
     self.prefill_buckets = tuple(sorted({prefill_chunk // d for d in (1, 2, 4) if prefill_chunk // d}))
     self._no_images = {b: jnp.zeros((1, b, cfg.d_model), cfg.jnp_dtype) for b in self.prefill_buckets}
+    self._no_logits = jnp.zeros((self.vocab_size,), jnp.float32)
     self.prefix = self._build_prefix_cache(prefix_cache_mb, prefix_cache_block)
     self.prefix_exact = bool(prefix_cache_exact)
     self._evictions_seen = 0
@@ -439,9 +440,9 @@ class Engine:
       done[i] = s.fed == len(s.prompt)
       if done[i]:
         finished.append((i, logits))
-    out = jnp.zeros((self.slots, self.vocab_size), jnp.float32)
-    if finished:
-      out = out.at[np.array([i for i, _ in finished])].set(jnp.stack([lg for _, lg in finished]))
+    # One stack of S rows whatever number of rows finished (one compiled op, not one per count).
+    by_row = dict(finished)
+    out = jnp.stack([by_row.get(i, self._no_logits) for i in range(self.slots)]).astype(jnp.float32)
     return out, done
 
   def _decode(self) -> tuple[jax.Array, np.ndarray] | None:
