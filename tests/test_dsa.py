@@ -350,6 +350,47 @@ def test_layer_matches_dense_reference(tiny_cfg, stage, t, segs):
     assert_close(g_p[name], r_p[name], what=f"grad {name}")
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _path_grads(graphdef, sparse_path, params, rest, x, pos, seg, cot):
+  """y, indexer loss and the grads of sum(y * cot) + loss through one attention path."""
+  def f(ps, x):
+    layer = nnx.merge(graphdef, ps, rest)
+    c_q, q_lat, q_rope, latent, k_rope = layer.mla_projections(x, pos)
+    q_i, w_i, k_i = layer.indexer_projections(x, c_q, pos)
+    order = jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), x.shape[:2])
+    args = (q_lat, q_rope, latent, k_rope, q_i, w_i, k_i, order, seg, order, seg)
+    out, loss = layer._sparse(*args, with_loss=True) if sparse_path else layer._dense(*args)
+    y = layer.output_projection(out, x)
+    return jnp.sum(y * cot) + loss, (y, loss)
+  (_, (y, loss)), g = jax.value_and_grad(f, (0, 1), has_aux=True)(params, x)
+  return y, loss, g
+
+
+def test_topk_covering_every_key_takes_the_dense_path(tiny_cfg):
+  """t <= index_topk: __call__ runs the dense MQA (one matmul, no gathers), which must equal the
+  sparse path's attention and indexer KL over the selected (= every allowed) key, forward and
+  gradients (wrt every parameter, the indexer's included, and x)."""
+  cfg = tiny_cfg.replace(indexer_stage="sparse")
+  t = cfg.index_topk - 3
+  _, graphdef, params, rest = _make(cfg, seed=5)
+  x = _normal(90, (2, t, cfg.d_model))
+  seg = _segments(2, t, [[6], []])
+  pos = _positions(seg)
+  cot = _normal(91, x.shape)
+  y_d, loss_d, (gp_d, gx_d) = _path_grads(graphdef, False, params, rest, x, pos, seg, cot)
+  y_s, loss_s, (gp_s, gx_s) = _path_grads(graphdef, True, params, rest, x, pos, seg, cot)
+  y, loss = _layer_fwd(graphdef, params, rest, x, pos, seg)
+  np.testing.assert_array_equal(y, y_d)  # __call__ took the dense path
+  assert_close(y_d, y_s, what="y")
+  assert_close(loss_d, loss_s, what="indexer loss")
+  assert float(loss_s) > 0
+  assert_close(gx_d, gx_s, what="grad x")
+  gp_d, gp_s = _flat(nnx.to_pure_dict(gp_d)), _flat(nnx.to_pure_dict(gp_s))
+  for name in gp_d:
+    assert_close(gp_d[name], gp_s[name], what=f"grad {name}")
+  assert any(float(jnp.abs(gp_d[n]).max()) > 0 for n in gp_d if "w_ki" in n)  # the indexer learns
+
+
 def test_layer_check_grads(tiny_cfg):
   _, graphdef, params, rest = _make(tiny_cfg, seed=3)
   x = _normal(80, (1, 5, tiny_cfg.d_model))

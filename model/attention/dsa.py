@@ -219,7 +219,11 @@ class GatedDSA(nnx.Module):
     # Keys and queries are the same sequence: causal order is the sequence index.
     seq = jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), x.shape[:2])
     args = (q_lat, q_rope, latent, k_rope, q_i, w_i, k_i, seq, segment_ids, seq, segment_ids)
-    if self.cfg.indexer_stage == "dense_warmup":
+    # Where top-k covers every key (train lengths up to index_topk), the sparse stage selects
+    # all allowed keys: its attention and its KL over the selected keys are the dense stage's
+    # maths, which one dense MQA computes at a fraction of the cost of gathering every key per
+    # query (tests/test_dsa.py checks forward and gradients against the sparse path).
+    if self.cfg.indexer_stage == "dense_warmup" or self.cfg.index_topk >= x.shape[1]:
       out_lat, loss = self._dense(*args)
     else:
       out_lat, loss = self._sparse(*args, with_loss=True)
