@@ -102,7 +102,11 @@ def error_response(path: str, status: int, message: str, *, param: str | None = 
 def loc_to_param(loc: Sequence[Any], anthropic: bool) -> str | None:
   """('body', 'messages', 0, 'role') -> 'messages[0].role' (OpenAI) or 'messages.0.role' (Anthropic)."""
   parts = [p for p in loc if p != "body"]
-  parts = [p for p in parts if not (isinstance(p, str) and ("[" in p or p in _MEMBER_NAMES))]
+  # Drop pydantic's union-member tags: "str", "function-after[...]", and model class names
+  # (CamelCase; both APIs' JSON fields are snake_case): tool_choice.NamedToolChoice.type is
+  # the client's tool_choice.type.
+  tag = lambda p: isinstance(p, str) and ("[" in p or p in _MEMBER_NAMES or p[:1].isupper())  # noqa: E731
+  parts = [p for p in parts if not tag(p)]
   if not parts:
     return None
   if anthropic:

@@ -98,6 +98,9 @@ def test_error_locations_in_each_vendors_style():
   assert loc_to_param(loc, anthropic=False) == "messages[0].content[1].text"
   assert loc_to_param(loc, anthropic=True) == "messages.0.content.1.text"
   assert loc_to_param(("body", "stop", "str"), anthropic=False) == "stop"
+  # A union member's model class is pydantic's, not the client's: it is not part of the field.
+  loc = ("body", "tool_choice", "NamedToolChoice", "type")
+  assert loc_to_param(loc, anthropic=False) == "tool_choice.type"
   assert loc_to_param(("body",), anthropic=False) is None
   errors = [{"type": "missing", "loc": ("body", "messages"), "msg": "Field required"},
             {"type": "missing", "loc": ("body", "model"), "msg": "Field required"}]
