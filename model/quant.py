@@ -1,11 +1,12 @@
 """MXFP4 weights in the model: which weights, how they are stored, how they are read.
 
 Storage follows the OCP Microscaling spec (MX v1.0) in the gpt-oss layout
-(`pallas_kernels.mxfp4.format`): a dense weight whose contraction axis K is
-moved last becomes `blocks` uint8 [..., K/32, 16] (two E2M1 codes per byte,
-low nibble first) and `scales` uint8 [..., K/32] (E8M0, exponent + 127). A
-routed expert weight w_gate [e, d, f] (contracting d) is stored as
-[e, f, d/32, 16] + [e, f, d/32], exactly gpt-oss's [experts, out, in/32, 16].
+(`pallas_kernels.mxfp4.format`): a dense weight whose block axis (its
+contraction axis K) is moved last becomes `blocks` uint8 [..., K/32, 16] (two
+E2M1 codes per byte, low nibble first) and `scales` uint8 [..., K/32] (E8M0,
+exponent + 127): 4 + 8/32 = 4.25 bits per weight. A routed expert weight
+w_gate [e, d, f] (contracting d) is stored as [e, f, d/32, 16] + [e, f, d/32],
+exactly gpt-oss's [experts, out, in/32, 16].
 
 `MXFP4Weight` is an `nnx.Variable` whose value is {'blocks', 'scales'}, so it
 is checkpointed as two uint8 arrays and is not an `nnx.Param` (frozen: the
@@ -15,36 +16,63 @@ therefore runs unchanged (the XLA path: dequantize, then matmul). The MoE
 experts with `config.model.kernels` = pallas read the packed bytes directly
 through the fused MXFP4 grouped-matmul kernel instead.
 
-What is quantized (`config.model.quantization`):
+Which weights (`config.model.quantization`), decided per tensor by `plan` --
+a pure function of the model's shapes, so the model that loads a checkpoint
+(`model.decoder.abstract_model`) quantizes exactly the tensors the converter
+wrote as MXFP4:
   * "experts": the routed experts' w_gate, w_up, w_down. They hold ~97% of
     the full design's parameters, and MoE experts tolerate 4-bit weights
-    best (gpt-oss ships exactly this).
+    best (gpt-oss ships exactly this). A layer's three are quantized together
+    or not at all (the fused kernel reads them together), and only along
+    their true contraction axis, so d_model and expert_dim must be multiples
+    of 32.
   * "all-linear": additionally every other linear weight of the language
-    model (attention projections, dense and shared-expert FFNs, indexer,
-    Delta projections). Kept in high precision on purpose: the token
-    embedding and LM head (gathers / logits), the router (tiny, and routing is
-    sensitive), norms, biases, the Delta depthwise conv and the vision encoder.
+    model (attention projections, dense and shared-expert FFNs, Delta
+    projections) that has an axis of a multiple of 32: its contraction axis
+    K, else -- the XLA path dequantizes the whole weight, so any blocking is
+    exact to read -- another axis (the plan notes which).
+Kept dense, with the reason `plan` reports: the token embedding (a gather)
+and LM head (the logits), the router (small; routing is sensitive), the
+lightning indexer (its scores pick the top-k keys each query attends to, a
+discrete choice 4-bit error would change, for 0.2% of `small`'s and 0.012% of
+`full`'s weights), norms, biases and other vectors, the Delta depthwise conv,
+the vision encoder, and weights without an axis of a multiple of 32.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from model.attention.dsa import GatedDSA
+from model.moe import MoE
 from pallas_kernels.mxfp4 import format as mx
 
 BLOCK = mx.BLOCK  # elements per E8M0 scale
+MXFP4_BITS = 4 + 8 / BLOCK  # an E2M1 nibble per weight + an E8M0 byte per block
+WHATS = ("experts", "all-linear")
 EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
-_KEEP_DENSE = frozenset({"embed", "head", "w_router", "conv_w"})
+INDEXER_WEIGHTS = ("w_qi", "w_ki", "w_w")  # model.attention.dsa.GatedDSA's lightning indexer
 _CONTRACTION_FIRST = frozenset({"expert", "heads", "vit_heads"})
+_KEEP_DENSE = {
+    "embed": "token embedding: a gather, not a matmul",
+    "head": "LM head: the logits are kept in high precision",
+    "w_router": "router: small, and routing is sensitive to its error",
+    "conv_w": "Delta depthwise conv: not a matmul",
+}
+_INDEXER_REASON = ("lightning indexer: its scores pick each query's top-k keys, a choice 4-bit error "
+                   "would change; 0.2% of small's weights")
 
 
 class MXFP4Weight(nnx.Variable):
   """A frozen MXFP4 weight; `w[...]` is the dense weight (see the module docstring).
 
-  Metadata: `axis` (position of the contraction axis K in the dense weight),
+  Metadata: `axis` (position of the block axis in the dense weight),
   `dense_dtype` (dtype `w[...]` returns), `axes` (logical axes of the dense
   weight, for sharding rules).
   """
@@ -52,8 +80,14 @@ class MXFP4Weight(nnx.Variable):
   def dense(self) -> jax.Array:
     meta = self.get_metadata()
     v = self.get_value()
-    w = mx.dequantize(v["blocks"], v["scales"], jnp.dtype(meta["dense_dtype"]))
-    return jnp.moveaxis(w, -1, meta["axis"])
+    w = jnp.moveaxis(mx.dequantize(v["blocks"], v["scales"], jnp.dtype(meta["dense_dtype"])), -1,
+                     meta["axis"])
+    if jax.default_backend() == "cpu":
+      # XLA:CPU folds the moveaxis into the dot that reads w, and its DotThunk then rejects some
+      # bf16 batched dots (MLA's w_uk, 'bthk,chk->bthc': "Unsupported element type BF16 x BF16 =
+      # F32"). The barrier keeps w in its own buffer; on CPU nothing fuses into a dot anyway.
+      w = jax.lax.optimization_barrier(w)
+    return w
 
   def __getitem__(self, key):
     return self.dense()[key]
@@ -67,60 +101,146 @@ class MXFP4Weight(nnx.Variable):
     return self.get_value()["scales"]
 
 
+@dataclasses.dataclass(frozen=True)
+class Decision:
+  """What `quantize_model` does with one variable: MXFP4 along `axis`, or dense (axis None).
+
+  `reason` says why a tensor stays dense, or notes how a quantized one is
+  blocked when that is not along its contraction axis.
+  """
+  path: str
+  shape: tuple[int, ...]
+  dtype: str
+  axis: int | None
+  reason: str = ""
+
+  @property
+  def mxfp4(self) -> bool:
+    return self.axis is not None
+
+  @property
+  def elements(self) -> int:
+    return int(np.prod(self.shape))
+
+  @property
+  def bits_per_weight(self) -> float:
+    return MXFP4_BITS if self.mxfp4 else 8.0 * jnp.dtype(self.dtype).itemsize
+
+  @property
+  def bytes_before(self) -> int:
+    return self.elements * jnp.dtype(self.dtype).itemsize
+
+  @property
+  def bytes_after(self) -> int:
+    return self.elements * (BLOCK // 2 + 1) // BLOCK if self.mxfp4 else self.bytes_before
+
+
 def storage_axes(axes: tuple, axis: int) -> dict[str, tuple]:
   """Logical axes of the packed arrays: K moved last, split into (K/32 blocks, 16 bytes)."""
   rest = tuple(a for i, a in enumerate(axes) if i != axis)
   return {"blocks": rest + (None, None), "scales": rest + (None,)}
 
 
-def contraction_axis(name: str, shape: tuple[int, ...], axes: tuple) -> int:
-  """Which axis of a dense weight is quantized in blocks of 32.
+def contraction_axis(shape: tuple[int, ...], axes: tuple) -> int:
+  """The input axis K of a dense weight: 1 for routed experts [e, in, out] and head-major
+  projections [h, k, out], 0 otherwise."""
+  return 1 if axes and axes[0] in _CONTRACTION_FIRST and len(shape) > 2 else 0
 
-  The contraction axis (the input dim): axis 1 for routed experts [e, in, out]
-  and head-major projections [h, k, out], axis 0 otherwise. The XLA path
-  dequantizes the whole weight, so when that axis is not a multiple of 32 any
-  other axis that is serves as well; the fused expert kernel needs the true
-  contraction axis (checked by `quantize_model`).
-  """
-  first = 1 if axes and axes[0] in _CONTRACTION_FIRST and len(shape) > 2 else 0
-  if shape[first] % BLOCK == 0:
-    return first
+
+def block_axis(shape: tuple[int, ...], axes: tuple) -> tuple[int | None, str]:
+  """(axis blocked in 32s, note): K when it is a multiple of 32, else another axis that is, else None."""
+  k = contraction_axis(shape, axes)
+  if shape[k] % BLOCK == 0:
+    return k, ""
   for i, n in enumerate(shape):
     if n % BLOCK == 0:
-      return i
-  raise ValueError(f"quantize: weight {name} of shape {shape} has no axis divisible by {BLOCK} "
-                   "(MXFP4 scales cover 32 consecutive elements); keep it dense or change the "
-                   "model dims (config.model.*) to multiples of 32.")
+      return i, f"blocks along axis {i} ({n}): K={shape[k]} is not a multiple of {BLOCK}"
+  return None, f"K={shape[k]} not a multiple of {BLOCK}, nor any other axis"
 
 
-def _targets(model: nnx.Module, what: str) -> list[tuple[nnx.Module, str, str, bool]]:
-  """(module, attribute, path, is a routed expert weight) of every weight `what` selects."""
-  from model.moe import MoE  # noqa: PLC0415 - model.moe imports this module
-
-  if what not in ("experts", "all-linear"):
-    raise ValueError(f"quantize: what={what!r}; choose 'experts' or 'all-linear'.")
-  out = []
-  for path, module in nnx.iter_graph(model):
-    if not isinstance(module, nnx.Module) or "vision" in path:
-      continue
-    for name, var in list(vars(module).items()):
-      if not isinstance(var, nnx.Param):
-        continue
-      is_expert = isinstance(module, MoE) and name in EXPERT_WEIGHTS
-      dense_linear = (what == "all-linear" and name not in _KEEP_DENSE and var.ndim >= 2)
-      if is_expert or dense_linear:
-        out.append((module, name, "/".join(str(p) for p in (*path, name)), is_expert))
-  return out
+def _axes(var: nnx.Variable, ndim: int) -> tuple:
+  return tuple(var.get_metadata().get("axes") or (None,) * ndim)
 
 
-def _quantize_variable(var: nnx.Param, name: str, expert: bool, mode: str) -> MXFP4Weight:
+def _experts_problem(moe: MoE) -> str:
+  """Why a MoE layer's routed experts cannot be MXFP4 ('' when they can)."""
+  bad = [f"{n} K={getattr(moe, n).get_value().shape[1]}" for n in EXPERT_WEIGHTS
+         if isinstance(getattr(moe, n), nnx.Param) and getattr(moe, n).get_value().shape[1] % BLOCK]
+  if not bad:
+    return ""
+  return (f"routed experts: {', '.join(bad)} not a multiple of {BLOCK} (a layer's w_gate, w_up and "
+          "w_down are quantized together, as the fused kernel reads them)")
+
+
+def _fixed_reason(path: tuple, module: nnx.Module, name: str, var: nnx.Variable) -> str:
+  """Why a variable is never quantized, whatever `what` ('' for a linear weight)."""
+  if "vision" in path:
+    return "vision encoder: not quantized"
+  if not isinstance(var, nnx.Param):
+    return f"{type(var).__name__}: not a weight"
+  if var.get_value().ndim < 2:
+    return "vector (norm scale, bias, gate parameter): not a linear"
+  if name in _KEEP_DENSE:
+    return _KEEP_DENSE[name]
+  if isinstance(module, GatedDSA) and name in INDEXER_WEIGHTS:
+    return _INDEXER_REASON
+  return ""
+
+
+def _already_mxfp4(path: str, var: MXFP4Weight) -> Decision:
+  meta, blocks = var.get_metadata(), var.blocks
+  moved, k = tuple(blocks.shape[:-2]), blocks.shape[-2] * BLOCK
+  shape = moved[:meta["axis"]] + (k,) + moved[meta["axis"]:]
+  return Decision(path, shape, meta["dense_dtype"], meta["axis"], "already MXFP4")
+
+
+def _decide(module: nnx.Module, name: str, var: nnx.Variable, path: tuple, what: str) -> Decision:
+  text = "/".join(str(p) for p in (*path, name))
+  if isinstance(var, MXFP4Weight):
+    return _already_mxfp4(text, var)
   value = var.get_value()
-  axes = tuple(var.get_metadata().get("axes") or (None,) * value.ndim)
-  axis = contraction_axis(name, value.shape, axes)
-  if expert and axis != 1:
-    raise ValueError(f"quantize: routed expert weight {name} {value.shape} needs its contraction "
-                     f"axis (1, size {value.shape[1]}) divisible by {BLOCK}; change "
-                     "config.model.d_model / expert_dim to multiples of 32.")
+  shape, axis = tuple(value.shape), None
+  reason = _fixed_reason(path, module, name, var)
+  if reason:
+    pass
+  elif isinstance(module, MoE) and name in EXPERT_WEIGHTS:
+    reason = _experts_problem(module)
+    axis = None if reason else 1
+  elif what == "all-linear":
+    axis, reason = block_axis(shape, _axes(var, len(shape)))
+  else:
+    reason = f"not selected by --what={what}"
+  return Decision(text, shape, str(jnp.dtype(value.dtype)), axis, reason)
+
+
+def _walk(model: nnx.Module) -> Iterator[tuple[nnx.Module, str, nnx.Variable, tuple]]:
+  """(module, attribute, variable, module path) of every variable, in graph order."""
+  for path, module in nnx.iter_graph(model):
+    if isinstance(module, nnx.Module):
+      for name, var in list(vars(module).items()):
+        if isinstance(var, nnx.Variable):
+          yield module, name, var, tuple(path)
+
+
+def _planned(model: nnx.Module, what: str) -> list[tuple[nnx.Module, str, nnx.Variable, Decision]]:
+  if what not in WHATS:
+    raise ValueError(f"quantize: what={what!r}; choose 'experts' or 'all-linear'.")
+  return [(m, name, var, _decide(m, name, var, path, what)) for m, name, var, path in _walk(model)]
+
+
+def plan(model: nnx.Module, what: str) -> list[Decision]:
+  """What `quantize_model(model, what)` does with each variable (real or abstract model).
+
+  A pure function of the model's shapes and `what`: building a model from a
+  config with `quantization=what` makes the same decisions, so a converted
+  checkpoint loads into exactly its own structure.
+  """
+  return [d for *_, d in _planned(model, what)]
+
+
+def _quantize_variable(var: nnx.Param, axis: int, mode: str) -> MXFP4Weight:
+  value = var.get_value()
+  axes = _axes(var, value.ndim)
   if isinstance(value, jax.ShapeDtypeStruct):
     moved = value.shape[:axis] + value.shape[axis + 1:]
     k = value.shape[axis]
@@ -133,16 +253,28 @@ def _quantize_variable(var: nnx.Param, name: str, expert: bool, mode: str) -> MX
                      storage_axes=storage_axes(axes, axis))
 
 
+def _check_fused_experts(module: nnx.Module, decision: Decision) -> None:
+  """MoE layers of a quantized config on the Pallas path need their experts in MXFP4."""
+  cfg = module.cfg
+  if cfg.quantization != "none" and cfg.use_pallas:
+    raise ValueError(f"quantize: {decision.path}: config.model.kernels={cfg.kernels!r} runs the "
+                     f"routed experts through the fused MXFP4 kernel, but they stay dense "
+                     f"({decision.reason}); use config.model.kernels='xla' for this model.")
+
+
 def quantize_model(model: nnx.Module, what: str, mode: str = "floor") -> list[str]:
-  """Replaces the selected nnx.Params of `model` by MXFP4Weight, in place.
+  """Replaces the nnx.Params that `plan(model, what)` marks MXFP4 by MXFP4Weight, in place.
 
   Works on real and abstract (`nnx.eval_shape`) models alike. Returns the
   paths of the quantized weights.
   """
   done = []
-  for module, name, path, expert in _targets(model, what):
-    setattr(module, name, _quantize_variable(getattr(module, name), path, expert, mode))
-    done.append(path)
+  for module, name, var, d in _planned(model, what):
+    if d.mxfp4 and isinstance(var, nnx.Param):
+      setattr(module, name, _quantize_variable(var, d.axis, mode))
+      done.append(d.path)
+    elif isinstance(module, MoE) and name == "w_gate" and not d.mxfp4:
+      _check_fused_experts(module, d)
   return done
 
 

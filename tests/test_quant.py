@@ -1,4 +1,6 @@
-"""MXFP4 weights inside the model (model/quant.py) and experiments/quantize.py."""
+"""MXFP4 weights inside the model (model/quant.py): layout, per-tensor plan, forward equality.
+
+The converter (training/quantize.py, experiments/quantize.py) is tested in test_quantize_cli.py."""
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +11,7 @@ from flax import nnx
 from configs import horizon
 from model.config import ModelConfig
 from model.decoder import abstract_model, build_model
-from model.quant import MXFP4Weight, quantize_model
+from model.quant import INDEXER_WEIGHTS, MXFP4Weight, plan, quantize_model
 from pallas_kernels.mxfp4 import format as mx
 from tests.helpers import assert_close
 
@@ -94,71 +96,72 @@ def test_pallas_expert_path_equals_dequantized_path(dense_and_quantized):
   del tok
 
 
-def test_all_linear_quantizes_every_lm_linear_but_keeps_embed_head_router():
+def test_all_linear_quantizes_every_lm_linear_but_keeps_embed_head_router_indexer():
   cfg = _cfg()
   m = abstract_model(cfg)
+  decisions = {d.path: d for d in plan(m, "all-linear")}
   paths = quantize_model(m, "all-linear")
+  assert paths == [p for p, d in decisions.items() if d.mxfp4]
   assert any("w_dq" in p for p in paths) and any("w_o" in p for p in paths)
   assert not any(p.endswith(("embed", "head", "w_router", "conv_w")) for p in paths)
   assert not any(p.startswith("vision") for p in paths)
   assert isinstance(m.head, nnx.Param) and isinstance(m.blocks[0].attn.w_dq, MXFP4Weight)
+  # The lightning indexer stays dense, on purpose and said so.
+  dsa = m.blocks[0].attn
+  for name in INDEXER_WEIGHTS:
+    assert isinstance(getattr(dsa, name), nnx.Param)
+    assert decisions[f"blocks/0/attn/{name}"].reason.startswith("lightning indexer")
+  # DSA w_o [h, v=14, d=64]: K=14 is not a multiple of 32, so its blocks run along d (noted).
+  w_o = decisions["blocks/0/attn/w_o"]
+  assert w_o.axis == 2 and "K=14" in w_o.reason and dsa.w_o.get_metadata()["axis"] == 2
+  assert dsa.w_o.blocks.shape == (3, 14, 64 // 32, 16)
 
 
-def test_dims_not_divisible_by_32_are_a_clear_error():
-  m = abstract_model(ModelConfig.from_config(horizon.get_config("tiny").model))
-  with pytest.raises(ValueError, match="divisible by 32"):
-    quantize_model(m, "experts")
+def test_all_linear_runs_with_bfloat16_compute():
+  """`small` computes in bf16: every dequantized weight must feed its dot (XLA:CPU once rejected
+  MLA's w_uk, a batched 'bthk,chk->bthc', read through the dequantize's moveaxis)."""
+  cfg = _cfg(dtype="bfloat16")
+  model = build_model(cfg, seed=3)
+  quantize_model(model, "all-linear")
+  assert isinstance(model.blocks[0].attn.w_uk, MXFP4Weight)
+  logits = _forward(model, _tokens(cfg, (2, 13), 5))
+  assert logits.shape == (2, 13, cfg.vocab_size) and bool(jnp.all(jnp.isfinite(logits)))
+
+
+def test_tiny_dims_are_skipped_with_a_reason_per_tensor():
+  """Stock tiny (widths 56, 26, 38, ...): every tensor stays dense and says why; the model still builds."""
+  cfg = ModelConfig.from_config(horizon.get_config("tiny").model)
+  for what in ("experts", "all-linear"):
+    decisions = plan(abstract_model(cfg), what)
+    assert decisions and not any(d.mxfp4 for d in decisions) and all(d.reason for d in decisions)
+    by_path = {d.path: d.reason for d in decisions}
+    assert "w_down K=26" in by_path["blocks/1/ffn/w_down"] and "w_gate K=56" in by_path["blocks/1/ffn/w_gate"]
+    want = "K=38 not a multiple of 32" if what == "all-linear" else "not selected by --what=experts"
+    assert want in by_path["blocks/0/attn/w_uq"]
+    assert by_path["embed"].startswith("token embedding") and by_path["head"].startswith("LM head")
+    q = abstract_model(cfg.replace(quantization=what))  # what load_model builds for such a checkpoint
+    assert not any(isinstance(v, MXFP4Weight) for _, v in nnx.iter_graph(q))
   with pytest.raises(ValueError, match="what="):
-    quantize_model(m, "everything")
+    plan(abstract_model(cfg), "everything")
 
 
-def test_quantize_script_round_trip(tmp_path):
-  """Dense checkpoint -> quantize -> load_model gives the quantized model; bad inputs write nothing."""
-  from training import quantize
-  from training.checkpoint import Checkpointer, CheckpointError, load_model, read_meta
+def test_dense_experts_on_the_fused_kernel_path_are_a_clear_error():
+  """MoE with kernels=pallas reads MXFP4 experts only: dense ones (tiny) must fail early, naming the fix."""
+  cfg = ModelConfig.from_config(horizon.get_config("tiny").model)
+  with pytest.raises(ValueError, match="kernels='xla'"):
+    abstract_model(cfg.replace(quantization="experts", kernels="pallas"))
 
-  config = horizon.get_config("tiny")
-  cfg = _cfg()
-  for k in ("d_model", "expert_dim", "dense_ffn_dim", "q_lora_rank", "kv_lora_rank"):
-    config.model[k] = getattr(cfg, k)
-  dense = build_model(cfg, seed=5)
-  src = tmp_path / "dense"
-  with Checkpointer(src, every=1, keep=1, async_save=False) as ck:
-    ck.save(7, model=dense, config=config, force=True)
-  out = tmp_path / "mx"
-  summary = quantize.convert(str(src), str(out))
-  assert summary["quantized_weights"] == 3 * sum(k == "moe" for k in cfg.ffn_kinds)
-  assert summary["bytes_after"] < summary["bytes_before"]
-  meta = read_meta(out)
-  assert meta["step"] == 7 and meta["config"]["model"]["quantization"] == "experts"
-  qcfg = _cfg(quantization="experts")
-  loaded = load_model(out, qcfg)
-  ref = build_model(cfg, seed=5)
-  quantize_model(ref, "experts")
-  tok = _tokens(cfg, (1, 11), 6)
-  np.testing.assert_array_equal(np.asarray(_forward(loaded, tok)), np.asarray(_forward(ref, tok)))
-  # Bad inputs: missing checkpoint, existing output, already quantized, indivisible dims.
-  with pytest.raises(CheckpointError, match="does not exist"):
-    quantize.convert(str(tmp_path / "nope"), str(tmp_path / "o1"))
-  with pytest.raises(CheckpointError, match="not empty"):
-    quantize.convert(str(src), str(out))
-  with pytest.raises(CheckpointError, match="already quantized"):
-    quantize.convert(str(out), str(tmp_path / "o2"))
-  tiny_src = tmp_path / "tiny"
-  with Checkpointer(tiny_src, every=1, keep=1, async_save=False) as ck:
-    ck.save(1, model=build_model(ModelConfig.from_config(horizon.get_config("tiny").model)),
-            config=horizon.get_config("tiny"), force=True)
-  with pytest.raises(ValueError, match="divisible by 32"):
-    quantize.convert(str(tiny_src), str(tmp_path / "o3"))
-  # A checkpoint that stores no config, converted with a config of other shapes.
-  bare = tmp_path / "bare"
-  with Checkpointer(bare, every=1, keep=1, async_save=False) as ck:
-    ck.save(2, model=dense, force=True)
-  with pytest.raises(CheckpointError, match="different config"):
-    quantize.convert(str(bare), str(tmp_path / "o4"), fallback_config=horizon.get_config("tiny"))
-  for name in ("o1", "o2", "o3", "o4"):
-    assert not (tmp_path / name).exists()
-  assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+def test_mixed_dims_quantize_only_what_divides():
+  """d_model 64 but expert_dim 26: the routed experts stay dense together, the 64-wide linears do not."""
+  cfg = _cfg(expert_dim=26)
+  decisions = {d.path: d for d in plan(abstract_model(cfg), "all-linear")}
+  for name in ("w_gate", "w_up", "w_down"):
+    d = decisions[f"blocks/1/ffn/{name}"]
+    assert not d.mxfp4 and "w_down K=26" in d.reason and "w_gate K=" not in d.reason
+  assert decisions["blocks/1/ffn/shared/w_gate"].mxfp4 and decisions["blocks/0/attn/w_dq"].mxfp4
+  d = decisions["blocks/0/attn/w_dq"]
+  assert (d.bits_per_weight, d.bytes_after * 32) == (4.25, d.elements * 17)
 
 
 def test_mxfp4_experts_run_expert_parallel_with_the_kernel():
