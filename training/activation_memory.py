@@ -193,14 +193,46 @@ def block_residuals(cfg: ModelConfig, loc: Local) -> list[Buf]:
           Buf("ffn_norm out [T,d]", td, "saved")]
 
 
+def _dsa_sparse_stage(cfg: ModelConfig, loc: Local, h: int, hi: int, dt: int) -> list[Buf]:
+  """Top-k selection and sparse MQA: per query block under lax.map, checkpointed."""
+  T, b, c, rope, di = loc.tokens, loc.seqs, cfg.kv_lora_rank, cfg.qk_rope_dim, cfg.index_head_dim
+  k = min(cfg.index_topk, loc.seq_len)
+  qb, kb = min(cfg.dsa_query_block, loc.seq_len), min(cfg.dsa_key_block, loc.seq_len)
+  return [
+      Buf("top-k idx int32 + valid [T,k]", T * k * 5, "saved"),
+      Buf("p_sel + indexer logits f32 [T,k]", 2 * T * k * F32, "saved", 2),
+      # Per query block (lax.map): the indexer score tile of blockwise_topk,
+      # and the checkpointed sparse-attention body's gathers + f32 logits,
+      # probabilities and their gradients during its backward.
+      Buf("top-k score tile", b * qb * (hi * kb + kb + 2 * (k + kb)) * F32, "work"),
+      Buf("sparse-attention block (fwd+bwd)",
+          b * qb * k * (c + rope) * (dt + F32) + 3 * b * qb * h * k * F32 + T * (c + rope) * F32,
+          "work"),
+      Buf("indexer-KL block (fwd+bwd)", b * qb * k * di * (dt + F32) + 2 * b * qb * hi * k * F32, "work"),
+  ]
+
+
+def _dsa_dense_stage(loc: Local, h: int, hi: int, dt: int) -> list[Buf]:
+  """Dense MQA over every allowed key (warm-up stage, or top-k covering every key): full
+  [T, H, S] f32 logits, probabilities kept for the backward, the indexer's [T, Hi, S] dots."""
+  T, S = loc.tokens, loc.seq_len
+  return [
+      Buf("probs f32 + compute-dtype copy [T,H,S]", T * h * S * (F32 + dt), "saved", 2),
+      Buf("indexer dots f32 [T,Hi,S]", T * hi * S * F32, "saved"),
+      Buf("p + indexer scores f32 [T,S]", 2 * T * S * F32, "saved", 2),
+      Buf("logits, their gradient f32 [T,H,S]", 2 * T * h * S * F32, "work", 2),
+      Buf("indexer dots' gradient f32 [T,Hi,S]", T * hi * S * F32, "work"),
+  ]
+
+
 def dsa_attention(cfg: ModelConfig, loc: Local) -> LayerMemory:
-  """Gated DSA (model/attention/dsa.py, sparse stage)."""
-  dt, T, b = _dt(cfg, loc), loc.tokens, loc.seqs
+  """Gated DSA (model/attention/dsa.py): the sparse stage, or dense MQA where the model runs it
+  (the dense warm-up stage, or top-k covering every key of the sequence)."""
+  dt, T = _dt(cfg, loc), loc.tokens
   d, ql, c, rope, nope, v = (cfg.d_model, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_dim,
                              cfg.qk_nope_dim, cfg.v_head_dim)
   h, hi, di = loc.split(cfg.num_heads), loc.split(cfg.index_heads), cfg.index_head_dim
-  k = min(cfg.index_topk, loc.seq_len)
-  qb, kb = min(cfg.dsa_query_block, loc.seq_len), min(cfg.dsa_key_block, loc.seq_len)
+  dense = cfg.indexer_stage == "dense_warmup" or cfg.index_topk >= loc.seq_len
   bufs = [
       Buf("c_q pre-norm [T,ql]", T * ql * dt, "dot"),
       Buf("c_q [T,ql]", T * ql * dt, "saved"),
@@ -212,20 +244,11 @@ def dsa_attention(cfg: ModelConfig, loc: Local) -> LayerMemory:
       Buf("indexer q_i [T,Hi,di]", T * hi * di * dt, "dot"),
       Buf("indexer k_i pre-norm, w_i", T * (di + hi) * dt, "dot", 2),
       Buf("indexer k_i [T,di]", T * di * dt, "saved"),
-      Buf("top-k idx int32 + valid [T,k]", T * k * 5, "saved"),
       Buf("out_lat [T,H,c]", T * h * c * dt, "saved"),
-      Buf("p_sel + indexer logits f32 [T,k]", 2 * T * k * F32, "saved", 2),
       Buf("o, gate pre-act [T,H,v]", 2 * T * h * v * dt, "dot", 2),
       Buf("gated o [T,H,v]", T * h * v * dt, "saved"),
-      # Per query block (lax.map): the indexer score tile of blockwise_topk,
-      # and the checkpointed sparse-attention body's gathers + f32 logits,
-      # probabilities and their gradients during its backward.
-      Buf("top-k score tile", b * qb * (hi * kb + kb + 2 * (k + kb)) * F32, "work"),
-      Buf("sparse-attention block (fwd+bwd)",
-          b * qb * k * (c + rope) * (dt + F32) + 3 * b * qb * h * k * F32 + T * (c + rope) * F32,
-          "work"),
-      Buf("indexer-KL block (fwd+bwd)", b * qb * k * di * (dt + F32) + 2 * b * qb * hi * k * F32, "work"),
   ]
+  bufs += _dsa_dense_stage(loc, h, hi, dt) if dense else _dsa_sparse_stage(cfg, loc, h, hi, dt)
   bufs += _weights(cfg, loc, "w_dq", (d, ql)) + _weights(cfg, loc, "w_uq", (ql, h, nope + rope))
   bufs += _weights(cfg, loc, "w_dkv", (d, c + rope)) + _weights(cfg, loc, "w_uk", (c, h, nope))
   bufs += _weights(cfg, loc, "w_uv", (c, h, v)) + _weights(cfg, loc, "w_g", (d, h, v))
