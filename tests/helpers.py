@@ -1,9 +1,12 @@
 """Test helpers: the one tolerance helper keyed by dtype (STYLE.md #6, in training/tolerance.py so
-benchmarks share it; never loosen to pass) and the environment of a test's child JAX process."""
+benchmarks share it; never loosen to pass), the environment of a test's child JAX process, and a
+stand-in for the engine driving a token processor."""
+
+import numpy as np
 
 from training.tolerance import RTOL, assert_close, rel_err
 
-__all__ = ["RTOL", "assert_close", "kill_once_saved", "rel_err", "subprocess_env"]
+__all__ = ["RTOL", "assert_close", "drive_processor", "kill_once_saved", "rel_err", "subprocess_env"]
 
 
 def subprocess_env(devices: int) -> dict:
@@ -37,3 +40,25 @@ def kill_once_saved(proc, checkpoint_dir, timeout_s: float = 600.0, after_s: flo
   time.sleep(after_s)
   os.kill(proc.pid, signal.SIGKILL)
   proc.wait()
+
+
+def drive_processor(proc, rng, free_ids, max_steps: int = 400, stop_id: int | None = None):
+  """Plays the engine for a TokenProcessor: forced ids are fed, masks sampled from (with the
+  seeded `rng`), free steps take `free_ids` in order. stop_id: a token the engine stops on
+  without feeding it (the end of turn). Returns (all deltas, finish reason or None)."""
+  deltas, reason, free = [], None, iter(free_ids)
+  for _ in range(max_steps):
+    c = proc.next_constraint()
+    if c is None:
+      token = next(free)
+    elif isinstance(c, (int, np.integer)):
+      token = int(c)
+    else:
+      token = int(rng.choice(np.flatnonzero(c)))
+    if token == stop_id:
+      return deltas + proc.close("stop"), "stop"
+    out, reason = proc.feed(token)
+    deltas += out
+    if reason is not None:
+      break
+  return deltas + proc.close(reason or "length"), reason

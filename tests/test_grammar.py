@@ -17,6 +17,7 @@ from serving.constrained import AnswerConstraint, CallConstraint, tool_call_sche
 from serving.grammar import JsonMatcher, SchemaError, check_schema, close_objects, compile_schema
 from serving.output import OutputProcessor
 from serving.types import ResponseFormat, TextDelta, Tool, ToolCallDelta
+from tests.helpers import drive_processor
 from training.tokenizer import default_tokenizer_path, load_tokenizer
 
 POINT = {"type": "object", "properties": {"x": {"type": "integer", "minimum": -5, "maximum": 5},
@@ -220,23 +221,8 @@ def test_answer_constraint_start_and_end(toks):
 
 
 def _drive(proc, rng, free_ids, max_steps=3000):
-  """Plays the engine: forced ids are fed, masks sampled from (seeded), free steps take free_ids."""
-  deltas, reason, free = [], None, iter(free_ids)
-  for _ in range(max_steps):
-    c = proc.next_constraint()
-    if c is None:
-      token = next(free)
-    elif isinstance(c, (int, np.integer)):
-      token = int(c)
-    else:
-      token = int(rng.choice(np.flatnonzero(c)))
-    if token == proc._id["end_of_turn"]:  # the engine stops on it without feeding it
-      return deltas + proc.close("stop"), "stop"
-    out, reason = proc.feed(token)
-    deltas += out
-    if reason is not None:
-      break
-  return deltas + proc.close(reason or "length"), reason
+  """tests.helpers.drive_processor, stopping on the end of turn as the engine does."""
+  return drive_processor(proc, rng, free_ids, max_steps, stop_id=proc._id["end_of_turn"])
 
 
 @pytest.mark.parametrize("thinking", [False, True])

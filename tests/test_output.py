@@ -13,6 +13,7 @@ import pytest
 
 from serving.output import IncrementalDetokenizer, OutputProcessor
 from serving.types import TextDelta, ThinkingDelta, Tool, ToolCallDelta, ToolChoice
+from tests.helpers import drive_processor
 from training.tokenizer import default_tokenizer_path, load_tokenizer
 
 TOOLS = [Tool("get_weather", "Weather for a city.",
@@ -329,22 +330,7 @@ def test_random_streams_never_raise(tok):
     assert [d.call for d in deltas if isinstance(d, ToolCallDelta)] == proc.tool_calls
 
 
-def _drive(proc, rng, free_ids, max_steps=400):
-  """Plays the engine: forced ids are fed, masks sampled from (seeded), free steps take free_ids."""
-  deltas, reason, free = [], None, iter(free_ids)
-  for _ in range(max_steps):
-    c = proc.next_constraint()
-    if c is None:
-      token = next(free)
-    elif isinstance(c, (int, np.integer)):
-      token = int(c)
-    else:
-      token = int(rng.choice(np.flatnonzero(c)))
-    out, reason = proc.feed(token)
-    deltas += out
-    if reason is not None:
-      break
-  return deltas + proc.close(reason or "length"), reason
+_drive = drive_processor
 
 
 @pytest.mark.parametrize("choice", [ToolChoice("required"), ToolChoice("named", "add")])
