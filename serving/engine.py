@@ -124,8 +124,8 @@ class Engine:
     self._thread: threading.Thread | None = None
     self._stopping = False
     # Constant inputs kept on the device: "no constraint" masks, and the image patches of chunks
-    # without placeholders. The prefill always takes image_embeds [1, C, d] (the size of one
-    # chunk's activations), so one program serves chunks with and without images.
+    # without placeholders. The prefill always takes image_embeds [1, W, d] (the size of one
+    # chunk's activations), so one program per width serves chunks with and without images.
     self._all_allowed = jnp.ones((slots, self.vocab_size), bool)
     # A chunk runs at the smallest of these lengths that holds it (one program each), so the
     # short last chunk of a prompt (all that is left after a prefix-cache hit) costs its size,
@@ -402,8 +402,10 @@ class Engine:
     """Caches the blocks row i has completed since the last call (decoded: by a decode step); a
     snapshot where it stands on a block's end (exact mode: on a multiple of prefill_chunk)."""
     pc, s = self.prefix, self._rows[i]
-    if pc is None or s.cache_epoch != pc.epoch or (decoded and self.prefix_exact):
+    if pc is None or s.cache_epoch != pc.epoch:
       return
+    if self.prefix_exact and (decoded or s.cache_len % self.prefill_chunk):
+      return  # exact: only what whole prefill chunks computed (a narrower one may round differently)
     B, fns, row = pc.block, self._prefix_fns, np.int32(i)
     while (len(s.chain) + 1) * B <= s.cache_len:
       j = len(s.chain)
@@ -411,7 +413,7 @@ class Engine:
         fed = np.concatenate([s.prompt, np.asarray(s.generated, np.int32)])[:(j + 1) * B]
         s.keys += block_keys(s.keys[-1] if s.keys else b"", fed, B, len(s.keys), j + 1 - len(s.keys),
                              s.image_extra)
-      at_end = (j + 1) * B == s.cache_len and not (self.prefix_exact and s.cache_len % self.prefill_chunk)
+      at_end = (j + 1) * B == s.cache_len
       routing = np.concatenate(s.routing)[j * B:(j + 1) * B] if s.routing else None
       b = pc.get(s.keys[j])
       if b is None:

@@ -12,7 +12,7 @@ import pytest
 
 from serving.chat import ChatRenderer
 from serving.engine import Engine, Request
-from serving.prefix_cache import PrefixCache
+from serving.prefix_cache import PrefixCache, block_keys
 from serving.types import Message, SamplingParams, TextPart, Tool, ToolCall
 
 SLOTS, CONTEXT, CHUNK, BLOCK = 4, 640, 32, 16
@@ -155,6 +155,18 @@ def test_exact_mode_is_bit_identical_and_resumes_on_chunk_multiples(engines):
   # Only prefill chunk ends (multiples of 32) are resume points; decode steps cached nothing.
   assert exact.metrics.prefix_reused_tokens.value() == 128
   assert all(b.state is None or (b.index + 1) * BLOCK % CHUNK == 0 for b in exact.prefix.blocks.values())
+  # Only whole chunks are cached: [32, 48) of a 48-token prompt runs at width 16, and a later
+  # request prefilling those tokens in a whole chunk must not resume on that narrower run's state.
+  short = _prompt(48, 12)
+  exact.generate(Request(short, _greedy(2)))
+  keys = block_keys(b"", np.array(short, np.int32), BLOCK, 0, 3)
+  assert exact.prefix.get(keys[1]) is not None and exact.prefix.get(keys[2]) is None
+  longer = short + _prompt(40, 13)
+  exact.generate(Request(longer, _greedy(2)))  # resumes at 32, caches [32, 64) from a whole chunk
+  longest = longer + _prompt(10, 14)
+  got, want = exact.submit(Request(longest, _greedy(8))), off.submit(Request(longest, _greedy(8)))
+  assert [lp for ev in exact._drive(got) for lp in ev.logprobs] == [lp for ev in off._drive(want)
+                                                                      for lp in ev.logprobs]
 
 
 def test_routing_of_reused_tokens_is_returned(engines):
