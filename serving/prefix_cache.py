@@ -31,6 +31,9 @@ Numerics: a resumed request computes its suffix from a state that the original r
 computed with another split into prefill chunks and decode steps, so its logits may
 differ from a cold run in the last bits (as in every engine that caches prefixes); greedy
 outputs are token-identical with the cache on and off in our tests (tests/test_prefix_cache.py).
+The engine's exact mode (`prefix_cache_exact`) caches only what whole prefill chunks computed
+and resumes only at multiples of the chunk, where a cold run's chunks end too: a resumed
+request is then bit-identical to a cold one (RL rollouts use it).
 
 Memory: the budget (bytes) bounds the blocks' device arrays; a block that would not fit
 after evicting every evictable block is not cached (the request runs on, uncached).
