@@ -65,7 +65,9 @@ def test_health_waits_for_the_warm_up_then_the_first_request_is_warm(engine, ser
     assert first <= 3 * steady, f"first request {first:.3f} s vs steady state {steady:.3f} s"
     phases = server.app.state.warmup.phase_seconds
     assert any("prefill" in p for p in phases) and any("vision encoder" in p for p in phases)
-    assert sum("took" in r.getMessage() for r in caplog.records) == len(phases)
+    # This server's warm-up thread only: another server of the session may be warming up meanwhile.
+    ours = server.app.state.warmup._thread.ident
+    assert sum("took" in r.getMessage() for r in caplog.records if r.thread == ours) == len(phases)
   finally:
     server.stop()
     fresh.stop()
