@@ -58,9 +58,9 @@ from serving.admission import validate_request
 from serving.batch import Slot
 from serving.handle import Event, Handle, OverloadedError, Request, RequestError
 from serving.metrics import EngineMetrics
-from serving.prefix_cache import PrefixCache, block_keys, cache_programs, check_cacheable, image_extra_fn
+from serving.prefix_cache import build_prefixer
 from serving.types import Delta, SamplingParams, Usage
-from serving.weights import castable_inputs, compute_dtype_state
+from serving.weights import compute_dtype_state, engine_castable
 
 __all__ = ["Engine", "Event", "Handle", "OverloadedError", "Request", "RequestError", "build_engine"]
 
@@ -114,7 +114,7 @@ class Engine:
     self._graphdef, state = nnx.split(model)
     self._fns = batch.compile_programs(self._graphdef)
     self._cache = model.init_cache(slots, max_context)
-    self._castable = self._trace_castable(state) if compute_dtype_weights else None
+    self._castable = engine_castable(self, state) if compute_dtype_weights else None
     self._state = self._serving_state(state)
     self._rows: list[Slot | None] = [None] * slots
     self._waiting: collections.deque[Handle] = collections.deque()
@@ -133,47 +133,15 @@ class Engine:
     self.prefill_buckets = tuple(sorted({prefill_chunk // d for d in (1, 2, 4) if prefill_chunk // d}))
     self._no_images = {b: jnp.zeros((1, b, cfg.d_model), cfg.jnp_dtype) for b in self.prefill_buckets}
     self._no_logits = jnp.zeros((self.vocab_size,), jnp.float32)
-    self.prefix = self._build_prefix_cache(prefix_cache_mb, prefix_cache_block)
-    self.prefix_exact = bool(prefix_cache_exact)
+    self._prefixer = build_prefixer(prefix_cache_mb, prefix_cache_block, prefill_chunk, prefix_cache_exact,
+                                    cfg.image_token_id, self._cache)
+    self.prefix = self._prefixer.store if self._prefixer is not None else None  # the blocks
+    if self.prefix is not None:
+      self.metrics.prefix_capacity.set(self.prefix.budget)
     self._evictions_seen = 0
-
-  def _trace_castable(self, state: Any) -> list[bool] | None:
-    """Which weights every program only converts to the compute dtype (serving/weights.py)."""
-    cfg, dtype = self.cfg, self.cfg.jnp_dtype
-    if all(np.dtype(a.dtype) == np.dtype(dtype) for a in jax.tree.leaves(state)):
-      return None
-    spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
-    st, cache = jax.tree.map(spec, state), jax.tree.map(spec, self._cache)
-    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-    c = self.prefill_chunk
-    programs = [(self._fns["prefill"], (st, cache, i32(), i32(1, c), i32(1),
-                                         jax.ShapeDtypeStruct((1, c, cfg.d_model), dtype))),
-                (self._fns["decode"], (st, cache, i32(self.slots),
-                                       jax.ShapeDtypeStruct((self.slots,), bool)))]
-    if self.model.vision is not None:
-      v = cfg.vision
-      shape = (1, v.image_size, v.image_size, v.num_channels)
-      programs.append((self._fns["encode"], (st, jax.ShapeDtypeStruct(shape, jnp.float32))))
-    flags = [castable_inputs(fn, args, dtype) for fn, args in programs]
-    return [all(f) for f in zip(*flags, strict=True)]
 
   def _serving_state(self, state: Any) -> Any:
     return state if self._castable is None else compute_dtype_state(state, self._castable, self.cfg.jnp_dtype)
-
-  def _build_prefix_cache(self, mb: float, block: int) -> PrefixCache | None:
-    if isinstance(mb, bool) or not isinstance(mb, (int, float)) or mb < 0:
-      raise ValueError(f"Engine: prefix_cache_mb={mb!r} must be a number >= 0 (0 = off; "
-                       "config.serving.prefix_cache_mb).")
-    if not mb:
-      return None
-    if isinstance(block, bool) or not isinstance(block, int) or block < 1 or self.prefill_chunk % block:
-      raise ValueError(f"Engine: prefix_cache_block={block!r} must be a positive divisor of "
-                       f"prefill_chunk={self.prefill_chunk} (config.serving.prefix_cache_block), so every "
-                       "full prefill chunk ends on a block boundary.")
-    check_cacheable(self._cache)
-    self._prefix_fns = cache_programs(block)
-    self.metrics.prefix_capacity.set(int(mb * 2**20))
-    return PrefixCache(block, int(mb * 2**20))
 
   # ---- lifecycle ------------------------------------------------------------------
   @property
@@ -369,68 +337,10 @@ class Engine:
       self.metrics.prompt_tokens.inc(len(slot.prompt))
     if reset.any():
       self._cache = self._fns["reset"](self._cache, jnp.asarray(reset))
-    for i, slot in admitted:
-      self._reuse_prefix(i, slot)
-
-  # ---- prefix cache (serving/prefix_cache.py) ---------------------------------------
-  def _reuse_prefix(self, i: int, s: Slot) -> None:
-    """Loads the longest cached prefix of row i's prompt (leaving >= 1 token to prefill)."""
-    pc = self.prefix
-    if pc is None:
-      return
-    s.cache_epoch = pc.epoch
-    s.image_extra = image_extra_fn(s.prompt, s.handle.request.images, self.cfg.image_token_id)
-    s.keys = block_keys(b"", s.prompt, pc.block, 0, (len(s.prompt) - 1) // pc.block, s.image_extra)
-    chain = pc.longest(s.keys, need_routing=s.routing is not None)
-    if not chain:
-      return
-    pc.touch(chain)
-    row = np.int32(i)
-    for b in chain:
-      b.refs += 1
-      self._cache = self._prefix_fns["put_tokens"](self._cache, row, np.int32(b.index * pc.block), b.tokens)
-    end = len(chain) * pc.block
-    self._cache = self._prefix_fns["put_state"](self._cache, row, chain[-1].state, np.int32(end))
-    s.chain = chain
-    s.fed = s.cache_len = end
-    s.images_fed = int(np.sum(s.prompt[:end] == self.cfg.image_token_id))
-    if s.routing is not None:
-      s.routing = [b.routing for b in chain]
-    self.metrics.prefix_reused_tokens.inc(end)
-
-  def _cache_blocks(self, i: int, decoded: bool = False) -> None:
-    """Caches the blocks row i has completed since the last call (decoded: by a decode step); a
-    snapshot where it stands on a block's end (exact mode: on a multiple of prefill_chunk)."""
-    pc, s = self.prefix, self._rows[i]
-    if pc is None or s.cache_epoch != pc.epoch:
-      return
-    if self.prefix_exact and (decoded or s.cache_len % self.prefill_chunk):
-      return  # exact: only what whole prefill chunks computed (a narrower one may round differently)
-    B, fns, row = pc.block, self._prefix_fns, np.int32(i)
-    while (len(s.chain) + 1) * B <= s.cache_len:
-      j = len(s.chain)
-      if j >= len(s.keys):
-        fed = np.concatenate([s.prompt, np.asarray(s.generated, np.int32)])[:(j + 1) * B]
-        s.keys += block_keys(s.keys[-1] if s.keys else b"", fed, B, len(s.keys), j + 1 - len(s.keys),
-                             s.image_extra)
-      at_end = (j + 1) * B == s.cache_len
-      routing = np.concatenate(s.routing)[j * B:(j + 1) * B] if s.routing else None
-      b = pc.get(s.keys[j])
-      if b is None:
-        tokens = fns["take_tokens"](self._cache, row, np.int32(j * B))
-        state = fns["take_state"](self._cache, row) if at_end else None
-        b = pc.add(s.keys[j], s.chain[-1] if s.chain else None, j, tokens, state, routing)
-        if b is None:  # no room even after evicting: this request caches nothing more
-          s.cache_epoch = -1
-          return
-      else:
-        if at_end and b.state is None:
-          pc.add_state(b, fns["take_state"](self._cache, row))
-        if b.routing is None and routing is not None:
-          pc.add_routing(b, routing)
-        pc.touch([b])
-      b.refs += 1
-      s.chain.append(b)
+    if self._prefixer is not None:  # load each new row's longest cached prefix
+      for i, slot in admitted:
+        self._cache, reused = self._prefixer.load(self._cache, i, slot)
+        self.metrics.prefix_reused_tokens.inc(reused)
 
   def _encode_images(self, images: np.ndarray | None) -> np.ndarray | None:
     if images is None or len(images) == 0:
@@ -468,7 +378,8 @@ class Engine:
         s.routing.append(np.asarray(routed[:len(chunk)]))
       s.fed += len(chunk)
       s.cache_len += len(chunk)
-      self._cache_blocks(i)
+      if self._prefixer is not None:
+        self._prefixer.add_blocks(self._cache, i, s)
       done[i] = s.fed == len(s.prompt)
       if done[i]:
         finished.append((i, logits))
@@ -496,9 +407,9 @@ class Engine:
       host = np.asarray(routed)
       for i in recording:
         self._rows[i].routing.append(host[i:i + 1])
-    if self.prefix is not None:
+    if self._prefixer is not None:
       for i in np.flatnonzero(valid):
-        self._cache_blocks(int(i), decoded=True)
+        self._prefixer.add_blocks(self._cache, int(i), self._rows[i], decoded=True)
     return logits, valid
 
   # ---- sampling and delivery ------------------------------------------------------

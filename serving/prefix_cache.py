@@ -54,7 +54,8 @@ import numpy as np
 from model.attention.delta import DeltaCache
 from model.attention.dsa import DSACache
 
-__all__ = ["Block", "PrefixCache", "block_keys", "cache_programs", "check_cacheable", "image_extra_fn"]
+__all__ = ["Block", "PrefixCache", "Prefixer", "block_keys", "build_prefixer", "cache_programs",
+           "check_cacheable", "image_extra_fn"]
 
 _DIGEST = 16
 
@@ -288,3 +289,94 @@ class PrefixCache:
     self.blocks.clear()
     self.nbytes = 0
     self.epoch += 1
+
+
+class Prefixer:
+  """The engine's side: a new row loads its prompt's longest cached prefix, and a running row adds
+  the blocks it completes (thread: the engine's loop). Rows are `serving.batch.Slot`s.
+
+  Args:
+    store: the blocks.
+    prefill_chunk: the engine's chunk (a multiple of store.block).
+    exact: cache only what whole prefill chunks computed, so resumes land where a cold run's
+      chunks end and are bit-identical to it; else decode steps' blocks are cached too.
+    image_token_id: the image placeholder id.
+  """
+
+  def __init__(self, store: PrefixCache, *, prefill_chunk: int, exact: bool, image_token_id: int):
+    self.store, self.fns = store, cache_programs(store.block)
+    self.prefill_chunk, self.exact, self.image_token_id = prefill_chunk, bool(exact), image_token_id
+
+  def load(self, cache: Any, i: int, s: Any) -> tuple[Any, int]:
+    """(cache with row i's longest cached prefix loaded, tokens reused); >= 1 token is left to prefill."""
+    pc = self.store
+    s.cache_epoch = pc.epoch
+    s.image_extra = image_extra_fn(s.prompt, s.handle.request.images, self.image_token_id)
+    s.keys = block_keys(b"", s.prompt, pc.block, 0, (len(s.prompt) - 1) // pc.block, s.image_extra)
+    chain = pc.longest(s.keys, need_routing=s.routing is not None)
+    if not chain:
+      return cache, 0
+    pc.touch(chain)
+    row = np.int32(i)
+    for b in chain:
+      b.refs += 1
+      cache = self.fns["put_tokens"](cache, row, np.int32(b.index * pc.block), b.tokens)
+    end = len(chain) * pc.block
+    cache = self.fns["put_state"](cache, row, chain[-1].state, np.int32(end))
+    s.chain = chain
+    s.fed = s.cache_len = end
+    s.images_fed = int(np.sum(s.prompt[:end] == self.image_token_id))
+    if s.routing is not None:
+      s.routing = [b.routing for b in chain]
+    return cache, end
+
+  def add_blocks(self, cache: Any, i: int, s: Any, decoded: bool = False) -> None:
+    """Caches the blocks row i (slot s) completed since the last call (decoded: by a decode step),
+    with a snapshot where it stands on a block's end."""
+    pc = self.store
+    if s.cache_epoch != pc.epoch:
+      return
+    if self.exact and (decoded or s.cache_len % self.prefill_chunk):
+      return  # exact: only what whole prefill chunks computed (a narrower one may round differently)
+    B, fns, row = pc.block, self.fns, np.int32(i)
+    while (len(s.chain) + 1) * B <= s.cache_len:
+      j = len(s.chain)
+      if j >= len(s.keys):
+        fed = np.concatenate([s.prompt, np.asarray(s.generated, np.int32)])[:(j + 1) * B]
+        s.keys += block_keys(s.keys[-1] if s.keys else b"", fed, B, len(s.keys), j + 1 - len(s.keys),
+                             s.image_extra)
+      at_end = (j + 1) * B == s.cache_len
+      routing = np.concatenate(s.routing)[j * B:(j + 1) * B] if s.routing else None
+      b = pc.get(s.keys[j])
+      if b is None:
+        tokens = fns["take_tokens"](cache, row, np.int32(j * B))
+        state = fns["take_state"](cache, row) if at_end else None
+        b = pc.add(s.keys[j], s.chain[-1] if s.chain else None, j, tokens, state, routing)
+        if b is None:  # no room even after evicting: this request caches nothing more
+          s.cache_epoch = -1
+          return
+      else:
+        if at_end and b.state is None:
+          pc.add_state(b, fns["take_state"](cache, row))
+        if b.routing is None and routing is not None:
+          pc.add_routing(b, routing)
+        pc.touch([b])
+      b.refs += 1
+      s.chain.append(b)
+
+
+def build_prefixer(mb: float, block: int, prefill_chunk: int, exact: bool, image_token_id: int,
+                   cache: Sequence[Any]) -> Prefixer | None:
+  """The engine's prefix cache from its settings (None when mb is 0); errors name the field."""
+  if isinstance(mb, bool) or not isinstance(mb, (int, float)) or mb < 0:
+    raise ValueError(f"Engine: prefix_cache_mb={mb!r} must be a number >= 0 (0 = off; "
+                     "config.serving.prefix_cache_mb).")
+  if not mb:
+    return None
+  if isinstance(block, bool) or not isinstance(block, int) or block < 1 or prefill_chunk % block:
+    raise ValueError(f"Engine: prefix_cache_block={block!r} must be a positive divisor of "
+                     f"prefill_chunk={prefill_chunk} (config.serving.prefix_cache_block), so every "
+                     "full prefill chunk ends on a block boundary.")
+  check_cacheable(cache)
+  return Prefixer(PrefixCache(block, int(mb * 2**20)), prefill_chunk=prefill_chunk, exact=exact,
+                  image_token_id=image_token_id)

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["castable_inputs", "compute_dtype_state"]
+__all__ = ["castable_inputs", "compute_dtype_state", "engine_castable"]
 
 
 def _nested(eqn: Any) -> list[Any]:
@@ -99,3 +99,24 @@ def compute_dtype_state(state: Any, castable: Sequence[bool], dtype: Any) -> Any
                      "structure changed since the programs were traced.")
   out = [x.astype(dtype) if c else x for x, c in zip(leaves, castable, strict=True)]
   return jax.tree.unflatten(treedef, out)
+
+
+def engine_castable(engine: Any, state: Any) -> list[bool] | None:
+  """Per leaf of `state`: do all of the engine's programs (prefill, decode, the vision encoder)
+  only convert it to the compute dtype? None when every leaf already is in that dtype."""
+  cfg, dtype, fns = engine.cfg, engine.cfg.jnp_dtype, engine._fns
+  if all(np.dtype(a.dtype) == np.dtype(dtype) for a in jax.tree.leaves(state)):
+    return None
+  spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
+  st, cache = jax.tree.map(spec, state), jax.tree.map(spec, engine._cache)
+  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+  c, slots = engine.prefill_chunk, engine.slots
+  programs = [(fns["prefill"], (st, cache, i32(), i32(1, c), i32(1),
+                                jax.ShapeDtypeStruct((1, c, cfg.d_model), dtype))),
+              (fns["decode"], (st, cache, i32(slots), jax.ShapeDtypeStruct((slots,), bool)))]
+  if engine.model.vision is not None:
+    v = cfg.vision
+    shape = (1, v.image_size, v.image_size, v.num_channels)
+    programs.append((fns["encode"], (st, jax.ShapeDtypeStruct(shape, jnp.float32))))
+  flags = [castable_inputs(fn, args, dtype) for fn, args in programs]
+  return [all(f) for f in zip(*flags, strict=True)]
