@@ -58,7 +58,7 @@ from serving.admission import validate_request
 from serving.batch import Slot
 from serving.handle import Event, Handle, OverloadedError, Request, RequestError
 from serving.metrics import EngineMetrics
-from serving.prefix_cache import build_prefixer
+from serving.prefix_cache import PrefixCache, build_prefixer
 from serving.types import Delta, SamplingParams, Usage
 from serving.weights import compute_dtype_state, engine_castable
 
@@ -135,13 +135,17 @@ class Engine:
     self._no_logits = jnp.zeros((self.vocab_size,), jnp.float32)
     self._prefixer = build_prefixer(prefix_cache_mb, prefix_cache_block, prefill_chunk, prefix_cache_exact,
                                     cfg.image_token_id, self._cache)
-    self.prefix = self._prefixer.store if self._prefixer is not None else None  # the blocks
-    if self.prefix is not None:
-      self.metrics.prefix_capacity.set(self.prefix.budget)
+    if self._prefixer is not None:
+      self.metrics.prefix_capacity.set(self._prefixer.store.budget)
     self._evictions_seen = 0
 
   def _serving_state(self, state: Any) -> Any:
     return state if self._castable is None else compute_dtype_state(state, self._castable, self.cfg.jnp_dtype)
+
+  @property
+  def prefix(self) -> PrefixCache | None:
+    """The prefix cache's blocks (None when it is off)."""
+    return self._prefixer.store if self._prefixer is not None else None
 
   # ---- lifecycle ------------------------------------------------------------------
   @property
