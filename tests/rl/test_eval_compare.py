@@ -1,0 +1,85 @@
+"""Paired comparison of two evaluation runs (rl/eval/compare.py, experiments/compare_evals.py)."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rl.eval.compare import CompareError, compare, compare_dirs, mcnemar_p, paired_row
+
+ROOT = Path(__file__).resolve().parents[2]
+BEFORE = [1, 1, 0, 0, 0, 1, 0, 0, 1, 0]
+AFTER = [1, 0, 1, 1, 0, 1, 1, 0, 1, 0]
+
+
+def _write_run(d: Path, successes, domain="math", tier="high", temperature=0.0, start=0):
+  d.mkdir(parents=True)
+  with (d / "results.jsonl").open("w") as f:
+    for i, s in enumerate(successes, start):
+      key = f"{domain}-heldout-{i:05d}|{tier}|0"
+      f.write(json.dumps({"key": key, "task_id": key.split("|")[0], "domain": domain, "tier": tier,
+                          "success": bool(s), "reward": float(s)}) + "\n")
+  (d / "run.json").write_text(json.dumps({"sampling": {"temperature": temperature, "top_p": 1.0, "top_k": 0,
+                                                       "seed": 0, "max_tokens_per_turn": 256}}))
+  return d
+
+
+def test_paired_statistics_match_the_per_task_differences():
+  pairs = list(zip(map(bool, BEFORE), map(bool, AFTER), strict=True))
+  row = paired_row(pairs)
+  d = np.array(AFTER, float) - np.array(BEFORE, float)
+  assert row["n"] == 10 and row["up"] == 3 and row["down"] == 1
+  assert row["diff"] == pytest.approx(d.mean())
+  # the SE of a mean of per-task differences (population variance, as n pairs are the population)
+  assert row["se_paired"] == pytest.approx(np.sqrt(d.var() / len(d)))
+  assert row["z_paired"] == pytest.approx(d.mean() / np.sqrt(d.var() / len(d)))
+  assert row["se_unpaired"] == pytest.approx(np.sqrt(0.4 * 0.6 / 10 + 0.6 * 0.4 / 10))
+  assert row["p_mcnemar"] == pytest.approx(10 / 16)  # 2 * P(X <= 1), X ~ Binomial(4, 1/2)
+
+
+def test_mcnemar_exact_values():
+  assert mcnemar_p(0, 0) == 1.0
+  assert mcnemar_p(0, 6) == pytest.approx(2 / 64)
+  assert mcnemar_p(6, 15) == pytest.approx(2 * sum(math.comb(21, i) for i in range(7)) / 2**21)
+  assert mcnemar_p(5, 5) == 1.0
+
+
+def test_compare_dirs_groups_by_domain_and_tier(tmp_path):
+  b = _write_run(tmp_path / "b", BEFORE)
+  a = _write_run(tmp_path / "a", AFTER + [1])  # one extra episode, not compared
+  rows, unmatched = compare_dirs(b, a)
+  assert [(r["domain"], r["tier"]) for r in rows] == [("math", "high"), ("all", "high")]
+  assert rows[0]["n"] == 10 and rows[0]["up"] == 3 and unmatched == {"only_before": 0, "only_after": 1}
+
+
+def test_bad_inputs_are_named(tmp_path):
+  b = _write_run(tmp_path / "b", BEFORE)
+  with pytest.raises(CompareError, match="share no episode keys"):
+    compare_dirs(b, _write_run(tmp_path / "other", AFTER, start=100))
+  with pytest.raises(CompareError, match="temperature"):
+    compare_dirs(b, _write_run(tmp_path / "hot", AFTER, temperature=1.0))
+  rows, _ = compare_dirs(b, tmp_path / "hot", allow_different_sampling=True)
+  assert rows[0]["n"] == 10
+  with pytest.raises(CompareError, match="no results.jsonl"):
+    compare_dirs(b, tmp_path / "missing")
+  (tmp_path / "bad").mkdir()
+  (tmp_path / "bad" / "results.jsonl").write_text('{"key": 1}\n')
+  with pytest.raises(CompareError, match="results.jsonl:1"):
+    compare_dirs(b, tmp_path / "bad")
+  before = {"k|high|0": {"domain": "math", "tier": "high", "success": True}}
+  with pytest.raises(CompareError, match="not the same task list"):
+    compare(before, {"k|high|0": {"domain": "web", "tier": "high", "success": True}})
+
+
+def test_cli_prints_a_table_and_json(tmp_path):
+  b = _write_run(tmp_path / "b", BEFORE)
+  a = _write_run(tmp_path / "a", AFTER)
+  out = subprocess.run([sys.executable, "-m", "experiments.compare_evals", f"--before={b}", f"--after={a}"],
+                       cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip().splitlines()
+  assert out[0].startswith("| domain | tier | n |")
+  assert "| math | high | 10 | 40.0 | 60.0 | +20.0 | 3 / 1 |" in out[2]
+  assert json.loads(out[-1])["rows"][0]["up"] == 3
