@@ -53,7 +53,10 @@ def load_run(out_dir: str | Path) -> tuple[dict[str, dict[str, Any]], dict[str, 
     except (json.JSONDecodeError, KeyError, TypeError) as e:
       raise CompareError(f"{path}:{lineno}: not an evaluation record ({e}).") from e
   meta_path = out / "run.json"
-  meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+  try:
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+  except json.JSONDecodeError as e:
+    raise CompareError(f"{meta_path}: not JSON ({e}); rerun experiments.evaluate to rewrite it.") from e
   return records, meta
 
 

@@ -70,6 +70,9 @@ def test_bad_inputs_are_named(tmp_path):
   (tmp_path / "bad" / "results.jsonl").write_text('{"key": 1}\n')
   with pytest.raises(CompareError, match="results.jsonl:1"):
     compare_dirs(b, tmp_path / "bad")
+  (tmp_path / "hot" / "run.json").write_text("{")
+  with pytest.raises(CompareError, match="run.json: not JSON"):
+    compare_dirs(b, tmp_path / "hot")
   before = {"k|high|0": {"domain": "math", "tier": "high", "success": True}}
   with pytest.raises(CompareError, match="not the same task list"):
     compare(before, {"k|high|0": {"domain": "web", "tier": "high", "success": True}})
