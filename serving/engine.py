@@ -114,7 +114,9 @@ class Engine:
     self._graphdef, state = nnx.split(model)
     self._fns = batch.compile_programs(self._graphdef)
     self._cache = model.init_cache(slots, max_context)
-    self._castable = engine_castable(self, state) if compute_dtype_weights else None
+    self._castable = (engine_castable(self._fns, state, self._cache, cfg, prefill_chunk, slots,
+                                      has_vision=model.vision is not None)
+                      if compute_dtype_weights else None)
     self._state = self._serving_state(state)
     self._rows: list[Slot | None] = [None] * slots
     self._waiting: collections.deque[Handle] = collections.deque()

@@ -17,7 +17,7 @@ exactly what they computed before (tests/test_serving_weights.py checks it bitwi
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -101,20 +101,23 @@ def compute_dtype_state(state: Any, castable: Sequence[bool], dtype: Any) -> Any
   return jax.tree.unflatten(treedef, out)
 
 
-def engine_castable(engine: Any, state: Any) -> list[bool] | None:
-  """Per leaf of `state`: do all of the engine's programs (prefill, decode, the vision encoder)
-  only convert it to the compute dtype? None when every leaf already is in that dtype."""
-  cfg, dtype, fns = engine.cfg, engine.cfg.jnp_dtype, engine._fns
+def engine_castable(fns: Mapping[str, Any], state: Any, cache: Any, cfg: Any, prefill_chunk: int,
+                    slots: int, has_vision: bool) -> list[bool] | None:
+  """Per leaf of `state`: do all of the engine's programs `fns` (prefill, decode, and the vision
+  encoder when the model has one) only convert it to the compute dtype? None when every leaf
+  already is in that dtype. cache: the engine's decode state; prefill_chunk, slots: its program
+  shapes."""
+  dtype = cfg.jnp_dtype
   if all(np.dtype(a.dtype) == np.dtype(dtype) for a in jax.tree.leaves(state)):
     return None
   spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
-  st, cache = jax.tree.map(spec, state), jax.tree.map(spec, engine._cache)
+  st, cache = jax.tree.map(spec, state), jax.tree.map(spec, cache)
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-  c, slots = engine.prefill_chunk, engine.slots
+  c = prefill_chunk
   programs = [(fns["prefill"], (st, cache, i32(), i32(1, c), i32(1),
                                 jax.ShapeDtypeStruct((1, c, cfg.d_model), dtype))),
               (fns["decode"], (st, cache, i32(slots), jax.ShapeDtypeStruct((slots,), bool)))]
-  if engine.model.vision is not None:
+  if has_vision:
     v = cfg.vision
     shape = (1, v.image_size, v.image_size, v.num_channels)
     programs.append((fns["encode"], (st, jax.ShapeDtypeStruct(shape, jnp.float32))))
