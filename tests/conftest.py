@@ -49,8 +49,9 @@ def engine(serve_config):
 
 @pytest.fixture(scope="session")
 def server_url(engine, serve_config):
-  """The server (create_app) on 127.0.0.1 at a free port, uvicorn in a daemon thread."""
+  """The server (create_app) on 127.0.0.1 at a free port, uvicorn in a daemon thread, warmed up
+  (/health is 200), so a test that runs first sees the same server as one that runs later."""
   from serving.server import BackgroundServer, create_app
-  server = BackgroundServer(create_app(engine, engine.tokenizer, serve_config)).start()
+  server = BackgroundServer(create_app(engine, engine.tokenizer, serve_config)).start().wait_ready()
   yield server.url
   server.stop()
