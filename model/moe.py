@@ -8,7 +8,7 @@ sec. 2.1.2). Its parts live in two modules of pure functions:
   a selection-only bias, combine weights, the sequence-wise balance loss and
   the router z-loss.
 * model/moe_experts.py: the routed SwiGLU experts computed dropless as grouped
-  matmuls ('ragged_dot' or 'blocked'), their dense reference and the MXFP4
+  matmuls ('grouped', 'gather', 'ragged_dot' or 'blocked'), their dense reference and the MXFP4
   variant.
 
 This module holds the `MoE` nnx layer that wires them together (one device, or

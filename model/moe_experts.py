@@ -3,25 +3,30 @@
 Experts are SwiGLU (DeepSeekMoE, Dai et al., 2024, arXiv:2401.06066),
 computed *dropless*: every token-assignment is computed, no capacity factor
 drops tokens. Assignments are sorted by expert (stable), so each expert owns a
-contiguous run of rows, and the runs are multiplied by their expert's weights
-as a grouped matmul. Two grouped-matmul implementations compute the same
-function:
+contiguous run of rows, and the runs are multiplied by their expert's weights.
+Four implementations compute the same function:
 
+* 'grouped' (model/moe_grouped.py): a loop over expert-aligned row tiles with
+  the expert's weights sliced in place and a custom VJP that accumulates dW per
+  expert; no copy of an expert's weights per block. The training path on CPU.
+* 'gather': for few assignments (decode), gathers the t*k selected experts'
+  weights ([t*k, d, f], reading only those bytes) and runs one matrix-vector
+  product per assignment.
 * 'ragged_dot': `jax.lax.ragged_dot` with the per-expert group sizes. On TPU
   and GPU it lowers to XLA's native ragged dot. On XLA:CPU (jax 0.10) JAX lowers
   it to a *masked dense* dot over all groups ([e, rows, d] operand), which costs
   `num_experts` times the grouped FLOPs -- more than running every expert on
   every token.
-* 'blocked': each expert's run is padded to a multiple of `block` rows, so every
-  block of rows belongs to one expert; a batched matmul then multiplies each
-  block by its expert's gathered weights. Cost is at most
-  `rows + num_experts * (block - 1)` rows of work, with static shapes; this is
-  the fast path on CPU. It gathers one copy of an expert's weights per block,
-  cheap at CPU sizes but not at the full design's, where 'ragged_dot' runs.
+* 'blocked': each expert's run is padded to a multiple of `block` rows and a
+  batched matmul multiplies each block by a gathered copy of its expert's
+  weights ([blocks, d, f] per weight, scatter-added back in the backward). Kept
+  as the baseline the benchmark compares 'grouped' with.
 
-`impl='auto'` picks 'ragged_dot' on TPU/GPU and 'blocked' elsewhere.
+`impl='auto'` picks 'gather' when t * k < e (fewer weight bytes than reading
+every expert once, on any backend), else 'ragged_dot' on TPU/GPU and 'grouped'
+elsewhere (`resolve_impl`).
 `dense_experts_reference` runs every expert on every token and masks: the plain
-reference both are tested against. `mxfp4_dropless_experts` is the same
+reference all are tested against. `mxfp4_dropless_experts` is the same
 computation with MXFP4 expert weights read by the fused Pallas grouped matmul
 (pallas_kernels/mxfp4, OCP Microscaling Formats (MX) v1.0).
 
@@ -29,7 +34,7 @@ These functions run on one device; sharding/expert_parallel.py wraps them for
 expert parallelism.
 
 Einsum legend: t token, d model dim, e expert, f expert FFN width, j routed
-slot (one of the top-k), n row block, m row within a block.
+slot (one of the top-k), n row block, m row within a block, a assignment.
 """
 
 from __future__ import annotations
@@ -40,8 +45,9 @@ import jax
 import jax.numpy as jnp
 
 from model.layers import einsum
+from model.moe_grouped import grouped_swiglu
 
-IMPLS = ("auto", "ragged_dot", "blocked")
+IMPLS = ("auto", "grouped", "gather", "ragged_dot", "blocked")
 
 
 def _check_expert_args(x_td, expert_idx_tk, weights_tk, w_gate, w_up, w_down) -> None:
@@ -62,12 +68,20 @@ def _check_expert_args(x_td, expert_idx_tk, weights_tk, w_gate, w_up, w_down) ->
     raise ValueError(f"w_down shape {w_down.shape} != (experts, ffn, d_model) = {(e, f, d)}.")
 
 
-def _resolve_impl(impl: str) -> str:
+def resolve_impl(impl: str, assignments: int, num_experts: int) -> str:
+  """The implementation `impl` runs for `assignments` = t * k rows over `num_experts` experts.
+
+  'auto': 'gather' when assignments < num_experts (it reads assignments expert
+  slices, fewer bytes than every expert once), else 'ragged_dot' on TPU/GPU and
+  'grouped' on other backends.
+  """
   if impl not in IMPLS:
     raise ValueError(f"dropless_experts: impl={impl!r}; choose one of {IMPLS}.")
-  if impl == "auto":
-    return "ragged_dot" if jax.default_backend() in ("tpu", "gpu") else "blocked"
-  return impl
+  if impl != "auto":
+    return impl
+  if assignments < num_experts:
+    return "gather"
+  return "ragged_dot" if jax.default_backend() in ("tpu", "gpu") else "grouped"
 
 
 def default_block(rows: int, num_experts: int) -> int:
@@ -134,6 +148,23 @@ def _blocked_swiglu(x_td, order, sorted_e, group_sizes, kslots, w_gate, w_up, w_
   return yb[slot]
 
 
+def _gather_swiglu(x_td, expert_idx_tk, w_gate, w_up, w_down, dtype):
+  """SwiGLU of each assignment with its own expert's gathered weights; [t*k, d] in assignment order.
+
+  Reads only the t*k selected [d, f] slices per weight. Id e ("no expert") reads
+  expert e-1 and is zeroed.
+  """
+  t, kslots = expert_idx_tk.shape
+  e = w_gate.shape[0]
+  flat_e = expert_idx_tk.reshape(-1).astype(jnp.int32)
+  sel = jnp.minimum(flat_e, e - 1)
+  xa = jnp.repeat(x_td, kslots, axis=0)  # [t*k, d], assignment a = token * k + slot
+  g = einsum("ad,adf->af", xa, w_gate[sel], dtype)
+  u = einsum("ad,adf->af", xa, w_up[sel], dtype)
+  y = einsum("af,afd->ad", jax.nn.silu(g) * u, w_down[sel], dtype)
+  return jnp.where((flat_e < e)[:, None], y, jnp.zeros_like(y))
+
+
 def dropless_experts(x_td: jax.Array, expert_idx_tk: jax.Array, weights_tk: jax.Array,
                      w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, dtype,
                      impl: str = "auto", block: int | None = None) -> jax.Array:
@@ -147,23 +178,30 @@ def dropless_experts(x_td: jax.Array, expert_idx_tk: jax.Array, weights_tk: jax.
     weights_tk: [t, k] combine weights.
     w_gate, w_up: [e, d, f]; w_down: [e, f, d].
     dtype: compute dtype (accumulation is f32).
-    impl: 'auto', 'ragged_dot' or 'blocked' (see module docstring).
-    block: rows per block for 'blocked' (default: `default_block`).
+    impl: 'auto', 'grouped', 'gather', 'ragged_dot' or 'blocked' (see module
+      docstring and `resolve_impl`).
+    block: rows per block for 'blocked' (default: `default_block`), rows per
+      overflow tile for 'grouped' (default: model.moe_grouped.DEFAULT_TILE).
 
   Returns:
     [t, d] in `dtype`: sum_j weights_tj * expert_{idx_tj}(x_t).
   """
   _check_expert_args(x_td, expert_idx_tk, weights_tk, w_gate, w_up, w_down)
-  impl = _resolve_impl(impl)
   t, kslots = expert_idx_tk.shape
   e = w_gate.shape[0]
+  impl = resolve_impl(impl, t * kslots, e)
+  if block is not None and int(block) < 1:
+    raise ValueError(f"dropless_experts: block={block} must be >= 1.")
+  if impl == "gather":
+    y = _gather_swiglu(x_td, expert_idx_tk, w_gate, w_up, w_down, dtype)
+    return einsum("tjd,tj->td", y.reshape(t, kslots, -1), weights_tk, dtype)
   flat_e, order, group_sizes = _sort_assignments(expert_idx_tk, e)
-  if impl == "ragged_dot":
+  if impl == "grouped":
+    y = grouped_swiglu(x_td, order, group_sizes, kslots, w_gate, w_up, w_down, dtype, tile=block)
+  elif impl == "ragged_dot":
     y = _grouped_swiglu(x_td, order, kslots, _ragged_dot(group_sizes, dtype), w_gate, w_up, w_down)
   else:
     block = default_block(t * kslots, e) if block is None else int(block)
-    if block < 1:
-      raise ValueError(f"dropless_experts: block={block} must be >= 1.")
     y = _blocked_swiglu(x_td, order, flat_e[order], group_sizes, kslots, w_gate, w_up, w_down,
                         dtype, block)
   return einsum("tjd,tj->td", y.reshape(t, kslots, -1), weights_tk, dtype)

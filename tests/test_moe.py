@@ -19,7 +19,7 @@ from jax.test_util import check_grads
 from model import moe, moe_experts, moe_routing
 from tests.helpers import assert_close
 
-IMPLS = ("ragged_dot", "blocked")
+IMPLS = ("grouped", "gather", "ragged_dot", "blocked")
 
 
 def _normal(key, shape, scale=1.0):
