@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import math
 
-from model.attention.delta_rule import _SUBSTITUTION_BLOCK  # the inverse's recursion cut-off
+from model.attention.delta_rule import _PRODUCT_BLOCK  # the inverse's recursion cut-off
 from model.config import ModelConfig
 
 # Forward components counted from weights (one multiply-add per weight per token).
@@ -68,13 +68,14 @@ def mean_causal_keys(seq_len: int, cap: int | None = None) -> float:
 def unit_lower_inverse_macs(m: int) -> int:
   """Multiply-adds of `delta_rule.unit_lower_inverse` on one m x m block (same recursion).
 
-  Forward substitution does m - 1 row updates of m x m each; larger even
-  blocks split in halves (inverted as one batch) and merge with two
-  (m/2)^3 matmuls.
+  m is padded to a power of two p; blocks up to _PRODUCT_BLOCK take the product form's
+  2 (ceil(log2 p) - 1) p x p x p matmuls; larger blocks split in halves (inverted as one
+  batch) and merge with two (p/2)^3 matmuls.
   """
-  if m <= _SUBSTITUTION_BLOCK or m % 2:
-    return (m - 1) * m * m
-  h = m // 2
+  p = 1 << max(0, (m - 1).bit_length())
+  if p <= _PRODUCT_BLOCK:
+    return 2 * max(0, p.bit_length() - 2) * p ** 3
+  h = p // 2
   return 2 * unit_lower_inverse_macs(h) + 2 * h ** 3
 
 
@@ -108,13 +109,16 @@ def _delta_macs(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
   conv = cfg.delta_conv_size * (2 * hqk * kd + hv * vd)  # depthwise taps over q|k|v channels
   proj = 2 * d * hqk * kd + 2 * d * hv * vd + 2 * d * hv + hv * vd * d  # W_q,k; W_v,z; W_beta,a; W_o
   # One chunk of one (value) head, from delta_rule._chunk_terms and the chunk scan:
-  per_chunk = (2 * c * c * kd  # [q; k] . k^T
+  per_chunk = (c * c  # in-chunk log-decay sums as a matmul with a lower-triangular ones matrix
+               + 2 * c * c * kd  # [q; k] . k^T
                + unit_lower_inverse_macs(c)  # (I + A)^-1
                + c * c * (kd + vd)  # (I + A)^-1 [beta gamma k | beta v]
                + 3 * c * kd * vd  # u0 - w S, S update k^T u, q_decayed . S
                + c * c * vd)  # intra-chunk scores . u
   chunks = max(1, math.ceil(seq_len / c))
-  return {"delta_projections": proj + conv, "delta_chunk": chunks * hv * per_chunk / seq_len}
+  resets = c * c  # per chunk and row, shared by the heads: the running reset count (same matmul)
+  return {"delta_projections": proj + conv,
+          "delta_chunk": chunks * (hv * per_chunk + resets) / seq_len}
 
 
 def _ffn_macs(cfg: ModelConfig) -> dict[str, float]:

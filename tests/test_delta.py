@@ -6,6 +6,7 @@ config (d_model 56, 2 q/k heads shared by 4 value heads) for the layer.
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ from model.attention.delta_rule import (
   chunk_gated_delta_rule,
   recurrent_gated_delta_rule,
   unit_lower_inverse,
+  unit_lower_solve,
 )
 from pallas_kernels.delta_rule.reference import naive_gated_delta_rule
 from tests.helpers import assert_close
@@ -87,7 +89,7 @@ def _functional(seed, t):
   return lambda out: jnp.sum(out[0] * wo) + jnp.sum(out[1] * ws)
 
 
-@pytest.mark.parametrize("t,chunk", [(37, 8), (5, 16)])
+@pytest.mark.parametrize("t,chunk", [(37, 8), (5, 16), (29, 6)])
 def test_gradients_match_reference(t, chunk):
   q, k, v, g, beta, s0, reset = rule_inputs((7 + t), t)
   f = _functional((8), t)
@@ -125,7 +127,7 @@ def test_continuation():
 
 @pytest.mark.parametrize("m", [37, 64])
 def test_unit_lower_inverse(m):
-  """Blocked (halving + substitution) inverse and its analytic VJP vs numpy's inverse."""
+  """Blocked (halving + product form) inverse, and its gradient through autodiff, vs numpy."""
   rng = np.random.default_rng(m)
   a = jnp.asarray(rng.standard_normal((2, 3, m, m)) * 0.3, jnp.float32)  # upper part ignored
   ct = jnp.asarray(rng.standard_normal((2, 3, m, m)), jnp.float32)
@@ -136,6 +138,46 @@ def test_unit_lower_inverse(m):
   want = np.tril(-inv.swapaxes(-1, -2) @ np.asarray(ct, np.float64) @ inv.swapaxes(-1, -2), -1)
   got = jax.jit(jax.grad(lambda x: jnp.sum(unit_lower_inverse(x) * ct)))(a)
   assert_close(got, want, what="vjp")
+
+
+@pytest.mark.parametrize("m", [13, 32])
+def test_unit_lower_solve(m):
+  """x = (I + A)^-1 r and its analytic VJP (dr = T^T dx, dA = -strict_lower(dr x^T)) vs numpy."""
+  rng = np.random.default_rng(m + 1)
+  a = jnp.asarray(rng.standard_normal((2, 3, m, m)) * 0.3, jnp.float32)
+  r = jnp.asarray(rng.standard_normal((2, 3, m, 11)), jnp.float32)
+  ct = jnp.asarray(rng.standard_normal((2, 3, m, 11)), jnp.float32)
+  inv = np.linalg.inv(np.tril(np.asarray(a, np.float64), -1) + np.eye(m))
+  x = inv @ np.asarray(r, np.float64)
+  assert_close(jax.jit(unit_lower_solve)(a, r), x, what="solve")
+  dr = inv.swapaxes(-1, -2) @ np.asarray(ct, np.float64)
+  da = np.tril(-dr @ x.swapaxes(-1, -2), -1)
+  got_a, got_r = jax.jit(jax.grad(lambda a, r: jnp.sum(unit_lower_solve(a, r) * ct), (0, 1)))(a, r)
+  assert_close(got_r, dr, what="d rhs")
+  assert_close(got_a, da, what="d a")
+
+
+# One HLO instruction: "%name = <shape or (tuple shape)> opcode(" (ROOT optional).
+_HLO_OP = re.compile(r"^\s*(?:ROOT )?%[\w.-]+ = (?:\(.*?\)|\S+) ([a-z][\w-]*)\(", re.M)
+
+
+def _hlo_ops(t: int) -> dict:
+  """Op-name counts of the compiled chunked rule (tiny heads, chunk 8) at length t."""
+  q, k, v, g, beta, s0, reset = rule_inputs(0, t, b=1, h=2, kd=3, vd=4)
+  fn = jax.jit(lambda *a: chunk_gated_delta_rule(*a, chunk_size=8))
+  text = fn.lower(q, k, v, g, beta, s0, reset).compile().as_text()
+  ops = [m.group(1) for m in _HLO_OP.finditer(text)]
+  return {name: ops.count(name) for name in set(ops)}
+
+
+def test_chunked_hlo_is_loop_free_inside_chunks():
+  """One while loop (the scan over chunks), no reduce-window cumsums, and an op count that
+  does not grow with the sequence length (no per-row or per-chunk unrolling)."""
+  short, long = _hlo_ops(41), _hlo_ops(643)  # both pad their last chunk
+  for ops in (short, long):
+    assert ops.get("while", 0) == 1, ops.get("while")
+    assert "reduce-window" not in ops
+  assert sum(long.values()) == sum(short.values()), (sum(short.values()), sum(long.values()))
 
 
 @pytest.mark.parametrize("rule", ["naive", "recurrent", "chunk"])

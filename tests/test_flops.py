@@ -98,10 +98,10 @@ def test_sequence_terms_by_hand(tiny_cfg):
   # Indexer per key 3 * 12 + 3 = 39 MACs = 78 FLOPs, over (20 + 1) / 2 causal keys, 2 layers.
   assert f["indexer_scores"] == pytest.approx(1638.0, rel=1e-12)
   assert f["indexer_selected"] == pytest.approx(1560.0, rel=1e-12)  # 78 x 10 selected x 2
-  # Delta: 3 chunks of 8 (20 padded to 24). Per chunk and head: 2*64*10 + inverse 7*64
-  # + 64*(10+6) + 3*8*10*6 + 64*6 = 1280 + 448 + 1024 + 1440 + 384 = 4576 MACs;
-  # x 4 heads x 3 chunks / 20 tokens x 2 FLOPs x 2 layers.
-  assert f["delta_chunk"] == pytest.approx(4576 * 4 * 3 / 20 * 2 * 2, rel=1e-12)
+  # Delta: 3 chunks of 8 (20 padded to 24). Per chunk and head: cumsum 64 + 2*64*10
+  # + inverse 2*2*512 + 64*(10+6) + 3*8*10*6 + 64*6 = 64 + 1280 + 2048 + 1024 + 1440 + 384
+  # = 6240 MACs, + 64 per chunk for the reset count; x 3 chunks / 20 tokens x 2 FLOPs x 2 layers.
+  assert f["delta_chunk"] == pytest.approx((6240 * 4 + 64) * 3 / 20 * 2 * 2, rel=1e-12)
   warm = flops.flops_per_token(tiny_cfg.replace(indexer_stage="dense_warmup"), 20)
   assert warm["dsa_attention"] == pytest.approx(300 * 10.5 * 2, rel=1e-12)  # all causal keys
   assert warm["indexer_selected"] == 0.0
@@ -110,9 +110,11 @@ def test_sequence_terms_by_hand(tiny_cfg):
 def test_mean_causal_keys_and_inverse_macs():
   assert flops.mean_causal_keys(5, 3) == pytest.approx(12 / 5)  # 1, 2, 3, 3, 3
   assert flops.mean_causal_keys(5) == flops.mean_causal_keys(5, 9) == 3.0
-  # 64 = halves of 32 = halves of 16 (substitution: 15 * 256 = 3840);
-  # T(32) = 2 * 3840 + 2 * 16^3 = 15872; T(64) = 2 * 15872 + 2 * 32^3 = 97280.
-  assert flops.unit_lower_inverse_macs(64) == 97280
+  # 64 = halves of 32 = halves of 16 = halves of 8 (product form: 2 * 2 * 8^3 = 2048);
+  # T(16) = 2 * 2048 + 2 * 8^3 = 5120; T(32) = 2 * 5120 + 2 * 16^3 = 18432;
+  # T(64) = 2 * 18432 + 2 * 32^3 = 102400. 17 is padded to 32.
+  assert flops.unit_lower_inverse_macs(64) == 102400
+  assert flops.unit_lower_inverse_macs(17) == flops.unit_lower_inverse_macs(32)
   for m in (8, 17, 32):
     jaxpr = jax.make_jaxpr(unit_lower_inverse)(jnp.ones((m, m), jnp.float32)).jaxpr
     assert dot_flops(jaxpr) == 2 * flops.unit_lower_inverse_macs(m)

@@ -23,8 +23,20 @@ Packed sequences: reset[b, t] zeroes the state before token t is applied. The ch
 handles resets inside a chunk exactly with "same segment" masks rather than a -inf (or -1e4)
 log-decay at the reset token, which would wreck the f32 cumulative log-decay of the chunk.
 
-All maths runs in float32 whatever the input dtype (the decay is an exponent summed over the
-sequence); outputs come back in v's dtype and states in float32.
+How the chunked form is laid out (issue 16: nothing inside a chunk loops over rows): every
+chunk's intra-chunk work runs at once as batched matmuls over [chunks, batch, heads]; the
+in-chunk cumulative log-decays are one matmul with a lower-triangular ones matrix (XLA:CPU
+lowers jnp.cumsum to reduce-window chains); (I + A)^-1 is a log-depth halving recursion whose
+8 x 8 leaves use the nilpotent product (I + N)(I + N^2)(I + N^4); the solve
+x = (I + A)^-1 [beta gamma k | beta v] has an analytic VJP, so the backward never
+differentiates the inverse; only the state recurrence is sequential (lax.scan over chunks,
+differentiated by autodiff, which keeps one [k, v] state per chunk).
+
+All maths runs in float32 whatever the input dtype: the decay is an exponent summed over the
+sequence, the state sums decayed updates over the whole sequence, and the UT inverse and the
+pseudo-values feed every later chunk through it. A bf16-input variant of these matmuls has not
+been measured against the 1e-5 agreement the tests hold. Outputs come back in v's dtype and
+states in float32.
 
 Einsum legend: b batch, n chunk index, t query position (in a chunk), s key position (in a
 chunk), r a third in-chunk position (matrix products in the triangular inverse), h heads,
@@ -41,9 +53,9 @@ import jax.numpy as jnp
 from model.layers import einsum
 from pallas_kernels.delta_rule.reference import check_inputs, initial_state_or_zeros
 
-# Diagonal blocks up to this size are inverted by forward substitution; larger ones are
-# split in halves and merged with matmuls.
-_SUBSTITUTION_BLOCK = 16
+# Diagonal blocks up to this size are inverted by the product form (log-depth matmuls);
+# larger ones are split in halves and merged with matmuls.
+_PRODUCT_BLOCK = 8
 
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None, reset=None):
@@ -73,27 +85,31 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None, reset=None)
   return jnp.moveaxis(o, 0, 1).astype(v.dtype), s
 
 
-def _forward_substitution_inverse(a):
-  """(I + a)^-1 for strictly lower-triangular a [..., m, m], one row per loop step.
+def _product_inverse(a):
+  """(I + a)^-1 for strictly lower-triangular a [..., m, m], in ceil(log2 m) - 1 doublings.
 
-  Row i of T = (I + a)^-1 is e_i - a[i] T: a[i] only reaches rows j < i, which are final.
+  N = -a is nilpotent (N^m = 0), so (I + a)^-1 = sum_j N^j = (I + N)(I + N^2)(I + N^4)...:
+  2 (ceil(log2 m) - 1) matmuls instead of m - 1 dependent row updates.
   """
   m = a.shape[-1]
-  eye = jnp.eye(m, dtype=a.dtype)
-
-  def row(i, t):
-    a_i = jax.lax.dynamic_index_in_dim(a, i, axis=-2, keepdims=False)  # [..., m]
-    new = eye[i] - einsum("...s,...sr->...r", a_i, t, a.dtype)
-    return jax.lax.dynamic_update_index_in_dim(t, new, i, axis=-2)
-
-  return jax.lax.fori_loop(1, m, row, jnp.broadcast_to(eye, a.shape))
+  dt = a.dtype
+  power = -a
+  inv = jnp.eye(m, dtype=dt) + power
+  for _ in range(max(0, math.ceil(math.log2(m)) - 1)):
+    power = einsum("...ts,...sr->...tr", power, power, dt)
+    inv = inv + einsum("...ts,...sr->...tr", inv, power, dt)
+  return inv
 
 
 def _blocked_inverse(a):
-  """(I + a)^-1 by halving: [[T11, 0], [-T22 a21 T11, T22]], both halves in one batch."""
+  """(I + a)^-1 by halving: [[T11, 0], [-T22 a21 T11, T22]], both halves in one batch.
+
+  m is a power of two. Blocks up to _PRODUCT_BLOCK use the product form; the recursion is
+  log-depth, so no loop runs over rows.
+  """
   m = a.shape[-1]
-  if m <= _SUBSTITUTION_BLOCK or m % 2:
-    return _forward_substitution_inverse(a)
+  if m <= _PRODUCT_BLOCK:
+    return _product_inverse(a)
   h = m // 2
   diag = _blocked_inverse(jnp.stack([a[..., :h, :h], a[..., h:, h:]]))
   t11, t22 = diag[0], diag[1]
@@ -103,32 +119,49 @@ def _blocked_inverse(a):
   return jnp.concatenate([top, jnp.concatenate([t21, t22], axis=-1)], axis=-2)
 
 
-@jax.custom_vjp
 def unit_lower_inverse(a):
   """(I + a)^-1 for a [..., m, m] whose strictly lower triangle is used (the rest is ignored).
 
-  Matmuls and a short substitution loop instead of jax.scipy.linalg.solve_triangular: its
-  batched LAPACK trsm on XLA:CPU (jaxlib 0.10) hung in our forward+backward benchmark
-  (ParallelBatchMap waiting on the XLA thread pool), and matmuls are what accelerators are
-  good at. The VJP is analytic (dT = -T da T), so the loop is never
-  differentiated and stores no per-step residuals.
+  Matmuls only (halving + product form), no row loop and no LAPACK: the batched trsm behind
+  jax.lax.linalg.triangular_solve took 45 ms for 1,024 32 x 32 systems (48 right-hand sides)
+  on XLA:CPU, several times this whole inverse, and hung in an earlier forward+backward
+  benchmark (ParallelBatchMap waiting on the XLA thread pool).
+  m that is not a power of two is padded with identity rows, which leave the inverse's
+  leading block unchanged.
   """
-  return _blocked_inverse(jnp.tril(a, -1))
+  m = a.shape[-1]
+  size = 1 << max(0, (m - 1).bit_length())
+  a = jnp.tril(a, -1)
+  if size != m:
+    widths = [(0, 0)] * (a.ndim - 2) + [(0, size - m), (0, size - m)]
+    return _blocked_inverse(jnp.pad(a, widths))[..., :m, :m]
+  return _blocked_inverse(a)
 
 
-def _unit_lower_inverse_fwd(a):
-  t = _blocked_inverse(jnp.tril(a, -1))
-  return t, t
+@jax.custom_vjp
+def unit_lower_solve(a, rhs):
+  """x = (I + a)^-1 rhs for a [..., m, m] (strictly lower triangle used), rhs [..., m, x].
+
+  The VJP is analytic: d rhs = T^T dx and da = -strictly_lower(d rhs x^T), so the backward
+  never differentiates the inverse (two m x m x x matmuls instead of the inverse's chain).
+  """
+  return einsum("...ts,...sx->...tx", unit_lower_inverse(a), rhs, rhs.dtype)
 
 
-def _unit_lower_inverse_bwd(t, ct):
-  dt = t.dtype
-  tt = jnp.swapaxes(t, -1, -2)
-  grad = -einsum("...ts,...sr->...tr", einsum("...ts,...sr->...tr", tt, ct, dt), tt, dt)
-  return (jnp.tril(grad, -1),)
+def _unit_lower_solve_fwd(a, rhs):
+  inv = unit_lower_inverse(a)
+  x = einsum("...ts,...sx->...tx", inv, rhs, rhs.dtype)
+  return x, (inv, x)
 
 
-unit_lower_inverse.defvjp(_unit_lower_inverse_fwd, _unit_lower_inverse_bwd)
+def _unit_lower_solve_bwd(res, dx):
+  inv, x = res
+  dt = x.dtype
+  drhs = einsum("...st,...sx->...tx", inv, dx, dt)
+  return -jnp.tril(einsum("...tx,...sx->...ts", drhs, x, dt), -1), drhs
+
+
+unit_lower_solve.defvjp(_unit_lower_solve_fwd, _unit_lower_solve_bwd)
 
 
 def _to_chunks(x, n: int, c: int):
@@ -149,8 +182,8 @@ def _chunk_terms(q, k, v, g, beta, reset):
   """Everything about a chunk that does not depend on the carried-in state.
 
   Inputs are chunked: q, k [n, b, h, c, k]; v [n, b, h, c, v]; g, beta [n, b, h, c];
-  reset [n, b, c]. Within a chunk, G_t = sum_{s<=t} g_s, and tokens t, s interact iff no
-  reset lies in (s, t] (equal running reset count). With decay D_ts = exp(G_t - G_s) on
+  reset [n, b, c] or None. Within a chunk, G_t = sum_{s<=t} g_s, and tokens t, s interact iff
+  no reset lies in (s, t] (equal running reset count). With decay D_ts = exp(G_t - G_s) on
   those pairs and A = strictly-lower(beta_t k_t.k_s D_ts), the chunk's pseudo-values are
   u = (I + A)^-1 (beta v) - (I + A)^-1 (beta exp(G) k) S_0 =: u0 - w S_0.
 
@@ -160,28 +193,36 @@ def _chunk_terms(q, k, v, g, beta, reset):
   """
   dt = q.dtype
   c = q.shape[-2]
-  big_g = jnp.cumsum(g, axis=-1)  # [n, b, h, c]
-  count = jnp.cumsum(reset.astype(jnp.int32), axis=-1)[:, :, None, :]  # [n, b, 1, c]
-  same = count[..., :, None] == count[..., None, :]  # [n, b, 1, t, s]
-  causal = jnp.tril(jnp.ones((c, c), bool))
-  pair = same & causal
+  lower = jnp.tril(jnp.ones((c, c), dt))
+  # Running sums inside a chunk as one matmul with a lower-triangular ones matrix (XLA:CPU
+  # lowers jnp.cumsum to reduce-window chains). HIGHEST: the log-decays must stay f32 exact
+  # on backends whose default matmul precision rounds f32 inputs to bf16.
+  big_g = jnp.einsum("nbhs,ts->nbht", g, lower, precision=jax.lax.Precision.HIGHEST)
+  pair = lower.astype(bool)
+  if reset is None:
+    fresh = jnp.ones_like(big_g)
+    to_end_mask, carried = fresh, jnp.ones_like(big_g[..., -1])
+  else:
+    # Reset counts are small integers, exact in f32.
+    count = jnp.einsum("nbs,ts->nbt", reset.astype(dt), lower,
+                       precision=jax.lax.Precision.HIGHEST)[:, :, None, :]  # [n, b, 1, c]
+    pair = pair & (count[..., :, None] == count[..., None, :])  # [n, b, 1, t, s]
+    fresh = (count == 0).astype(dt)  # token t still sees the carried-in state
+    to_end_mask = (count == count[..., -1:]).astype(dt)
+    carried = fresh[..., -1]
   # Mask the exponent, not the product: masked pairs (G_t - G_s > 0) could overflow exp.
   decay = jnp.exp(jnp.where(pair, big_g[..., :, None] - big_g[..., None, :], -jnp.inf))
   qk_kk = einsum("nbhtk,nbhsk->nbhts", jnp.concatenate([q, k], axis=-2), k, dt)
   scores = qk_kk[..., :c, :] * decay  # [n, b, h, t, s]
-  strict = pair & ~jnp.eye(c, dtype=bool)
-  a_mat = jnp.where(strict, beta[..., :, None] * qk_kk[..., c:, :] * decay, 0.0)
-  fresh = (count == 0).astype(dt)  # token t still sees the carried-in state
+  a_mat = beta[..., :, None] * qk_kk[..., c:, :] * decay  # unit_lower_solve reads its strict lower part
   gamma = jnp.exp(big_g) * fresh  # [n, b, h, c]
   rhs = jnp.concatenate([k * (beta * gamma)[..., None], v * beta[..., None]], axis=-1)
-  sol = einsum("nbhts,nbhsx->nbhtx", unit_lower_inverse(a_mat), rhs, dt)
+  sol = unit_lower_solve(a_mat, rhs)
   kd = k.shape[-1]
   w, u0 = sol[..., :kd], sol[..., kd:]
   q_decayed = q * gamma[..., None]
-  last = count[..., -1:]
-  to_end = jnp.where(count == last, jnp.exp(big_g[..., -1:] - big_g), 0.0)  # [n, b, h, c]
-  k_to_end = k * to_end[..., None]
-  state_decay = jnp.exp(big_g[..., -1]) * (last[..., 0] == 0).astype(dt)  # [n, b, h]
+  k_to_end = k * (jnp.exp(big_g[..., -1:] - big_g) * to_end_mask)[..., None]
+  state_decay = jnp.exp(big_g[..., -1]) * carried  # [n, b, h]
   return w, u0, scores, q_decayed, k_to_end, state_decay
 
 
@@ -190,7 +231,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, reset=None, chu
 
   Same arguments and results as the reference `naive_gated_delta_rule`, plus `chunk_size`
   (tokens per chunk). Any length works: the tail is padded with beta = 0, g = 0 tokens, which
-  leave the state unchanged, and the padded outputs are sliced off.
+  leave the state unchanged, and the padded outputs are sliced off. All chunks' intra-chunk
+  work is batched; only the [k, v] state crosses chunks, in a lax.scan of t / chunk_size steps.
   """
   check_inputs("chunk_gated_delta_rule", q, k, v, g, beta, initial_state, reset)
   if not isinstance(chunk_size, int) or chunk_size < 1:
@@ -201,12 +243,13 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, reset=None, chu
   c = chunk_size
   n = max(1, math.ceil(t / c))
   pad = n * c - t
-  if reset is None:
-    reset = jnp.zeros((b, t), bool)
   q, k, v, g, beta = (_to_chunks(_pad_time(x.astype(dt), pad), n, c) for x in (q, k, v, g, beta))
-  reset = _to_chunks(_pad_time(reset, pad, False), n, c)
+  if reset is not None:
+    reset = _to_chunks(_pad_time(reset, pad, False), n, c)
   w, u0, scores, q_decayed, k_to_end, state_decay = _chunk_terms(q, k, v, g, beta, reset)
 
+  # The state stays f32 whatever the compute dtype: it sums decayed rank-c updates over the
+  # whole sequence, and each chunk reads it back through w (the UT transform's inverse).
   def step(s, inp):
     w_n, u0_n, k_end_n, decay_n = inp
     u = u0_n - einsum("bhck,bhkv->bhcv", w_n, s, dt)
