@@ -13,9 +13,14 @@ N x N exists:
   query_block x key_block x heads score tile;
   key blocks that lie entirely in a query block's causal future (or hold no
   key of the query block's segments) are skipped with a dynamic trip count.
-* `sparse_mqa_attention` gathers only the selected latent rows, one query
-  block at a time, under `jax.checkpoint`, so neither the forward nor the
-  backward pass holds more than one block's gathered N_block x k x c slab.
+* `sparse_mqa_attention` gathers only the selected rows of [latent | k_rope],
+  one query block at a time, so neither the forward nor the backward pass
+  holds more than one block's gathered query_block x k x (c+p) slab. All heads
+  of a query share its key set (MQA over the latent), so each query's logits
+  are one [heads, c+p] x [c+p, k] product. A custom VJP saves only the output
+  and the log-sum-exp per (query, head) and recomputes each block's
+  probabilities in the backward pass (flash-style), which then scatter-adds
+  the selected rows' gradients.
 
 The attention is MQA over the MLA latent in absorbed form (DeepSeek-V2, Liu et
 al. 2024, sec. 2.1): one latent + one RoPE key per token is all that is read
@@ -34,6 +39,8 @@ head dim, c latent (kv_lora) dim, p RoPE dim, j selected top-k slot.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -45,7 +52,7 @@ from pallas_kernels.indexer_topk.reference import (
     indexer_scores_dense,
     needed_blocks,
 )
-from pallas_kernels.sparse_attention.reference import check_mqa_args, head_summed, masked_softmax
+from pallas_kernels.sparse_attention.reference import check_mqa_args, head_summed
 
 _NEG_INF = float("-inf")
 
@@ -227,8 +234,84 @@ def selected_indexer_scores(q_idx: jax.Array, w_idx: jax.Array, k_idx: jax.Array
 
 
 # ---------------------------------------------------------------------------
-# Main attention: sparse MQA over the MLA latent.
+# Main attention: sparse MQA over the MLA latent (custom VJP, flash-style backward).
 # ---------------------------------------------------------------------------
+def _block_logits(q: jax.Array, g: jax.Array, vd: jax.Array, scale: float):
+  """q [b,qb,h,d], g [b,qb,j,d] gathered keys, vd [b,qb,j] -> scaled f32 logits [b,qb,h,j], mask."""
+  return einsum_f32("bthd,btjd->bthj", q, g) * scale, vd[:, :, None, :]
+
+
+def _sparse_fwd_blocks(q, kv, idx, valid, scale: float, c: int, qb: int):
+  """Forward over query blocks: out [b,tp,h,c], lse [b,tp,h] f32, p_sel [b,tp,j] f32.
+
+  Each query block gathers its selected rows of kv = [latent | k_rope] once
+  ([b, qb, j, c+p]); per query, all h heads share that key set, so the logits
+  are one [h, c+p] x [c+p, j] product and the output one [h, j] x [j, c].
+  """
+  dtype = q.dtype
+
+  def body(args):
+    qi, ix, vd = args
+    g = _gather_rows(kv, ix)
+    logits, mask = _block_logits(qi, g, vd, scale)
+    m = jnp.max(jnp.where(mask, logits, _NEG_INF), axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    e = jnp.where(mask, jnp.exp(jnp.where(mask, logits, m) - m), 0.0)
+    den = jnp.sum(e, axis=-1, keepdims=True)
+    p = e / jnp.where(den > 0, den, 1.0)
+    out = einsum("bthj,btjc->bthc", p, g[..., :c], dtype)
+    lse = (m + jnp.log(jnp.where(den > 0, den, 1.0)))[..., 0]
+    return out, lse, head_summed(p)
+
+  out, lse, p_sel = jax.lax.map(body, (_to_blocks(q, qb), _to_blocks(idx, qb), _to_blocks(valid, qb)))
+  return _from_blocks(out), _from_blocks(lse), _from_blocks(p_sel)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _sparse_core(q, kv, idx, valid, scale: float, c: int, qb: int):
+  """(out [b,tp,h,c], p_sel [b,tp,j]) for q [b,tp,h,d] (tp a multiple of qb), kv [b,s,d]."""
+  out, _, p_sel = _sparse_fwd_blocks(q, kv, idx, valid, scale, c, qb)
+  return out, p_sel
+
+
+def _sparse_core_fwd(q, kv, idx, valid, scale, c, qb):
+  out, lse, p_sel = _sparse_fwd_blocks(q, kv, idx, valid, scale, c, qb)
+  return (out, p_sel), (q, kv, idx, valid, lse)
+
+
+def _sparse_core_bwd(scale, c, qb, res, cts):
+  """Recomputes each block's probabilities from the saved log-sum-exp (nothing [t, h, j] is kept).
+
+  With P the softmax and dP = dO V^T + dp_sel / h (p_sel = sum_h P / h on rows
+  with a valid slot), dS = P * (dP - rowsum(P * dP)); dq = dS K, and the
+  selected rows receive dS^T q and P^T dO, scatter-added into d[latent | k_rope].
+  """
+  q, kv, idx, valid, lse = res
+  d_out, d_psel = cts
+  dtype, h = q.dtype, q.shape[2]
+
+  def step(dkv, args):
+    qi, ix, vd, do, ls, dps = args
+    g = _gather_rows(kv, ix)
+    logits, mask = _block_logits(qi, g, vd, scale)
+    p = jnp.where(mask, jnp.exp(logits - ls[..., None]), 0.0)
+    dp = einsum_f32("bthc,btjc->bthj", do.astype(dtype), g[..., :c]) + dps[:, :, None, :] / h
+    ds = p * (dp - jnp.sum(p * dp, axis=-1, keepdims=True)) * scale
+    dq = einsum("bthj,btjd->bthd", ds, g, dtype)
+    dg = einsum_f32("bthj,bthd->btjd", ds.astype(dtype), qi)
+    dg = dg + jnp.pad(einsum_f32("bthj,bthc->btjc", p.astype(dtype), do.astype(dtype)),
+                      ((0, 0), (0, 0), (0, 0), (0, dg.shape[-1] - c)))
+    rows = jnp.arange(ix.shape[0])[:, None, None]
+    return dkv.at[rows, ix].add(dg, mode="drop"), dq
+
+  blocks = tuple(_to_blocks(a, qb) for a in (q, idx, valid, d_out, lse, d_psel))
+  dkv, dq = jax.lax.scan(step, jnp.zeros(kv.shape, jnp.float32), blocks)
+  return _from_blocks(dq), dkv.astype(kv.dtype), None, None
+
+
+_sparse_core.defvjp(_sparse_core_fwd, _sparse_core_bwd)
+
+
 def sparse_mqa_attention(q_lat: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array,
                          idx: jax.Array, valid: jax.Array, scale: float,
                          query_block: int) -> tuple[jax.Array, jax.Array]:
@@ -236,8 +319,11 @@ def sparse_mqa_attention(q_lat: jax.Array, q_rope: jax.Array, latent: jax.Array,
 
   logit[t,h,j] = scale * (q_lat[t,h] . latent[idx[t,j]] + q_rope[t,h] . k_rope[idx[t,j]]),
   softmax over the valid slots in f32, out[t,h] = sum_j p * latent[idx[t,j]].
-  The per-block body is checkpointed: the backward pass re-gathers instead of
-  keeping every block's [qb, j, c] slab.
+  A custom VJP keeps only the output and the per-(query, head) log-sum-exp:
+  the backward pass re-gathers each block's rows, recomputes its probabilities
+  and scatter-adds the key gradients, so memory is O(query_block * topk)
+  beyond the inputs, and no gradient is taken through the gather's clipping
+  or the softmax's masking.
 
   Args:
     q_lat: [b, t, h, c] absorbed queries (q_nope W_uk).
@@ -250,9 +336,11 @@ def sparse_mqa_attention(q_lat: jax.Array, q_rope: jax.Array, latent: jax.Array,
 
   Returns:
     out_lat [b, t, h, c] in q_lat's dtype (zero for a row with no valid slot)
-    and p_sel [b, t, j] f32, the head-summed probabilities normalised to sum 1.
+    and p_sel [b, t, j] f32, the head-summed probabilities normalised to sum 1
+    (differentiable too).
   """
-  b, t, h, _ = check_mqa_args("sparse_mqa_attention", q_lat, q_rope, latent, k_rope)
+  b, t, _, _ = check_mqa_args("sparse_mqa_attention", q_lat, q_rope, latent, k_rope)
+  c = q_lat.shape[3]
   need(idx.ndim == 3 and idx.shape[:2] == (b, t) and valid.shape == idx.shape,
        f"sparse_mqa_attention: idx and valid must both be [b={b}, t={t}, topk], "
        f"got {idx.shape} and {valid.shape}.")
@@ -261,17 +349,10 @@ def sparse_mqa_attention(q_lat: jax.Array, q_rope: jax.Array, latent: jax.Array,
   dtype = q_lat.dtype
   qb = min(query_block, t)
   tp = _cdiv(t, qb) * qb
-
-  def body(args):
-    ql, qr, ix, vd = args
-    g_lat = _gather_rows(latent, ix)  # [b, qb, j, c]
-    logits = (einsum_f32("bthc,btjc->bthj", ql, g_lat)
-              + einsum_f32("bthp,btjp->bthj", qr, _gather_rows(k_rope, ix))) * scale
-    p = masked_softmax(logits, vd[:, :, None, :])
-    out = einsum("bthj,btjc->bthc", p, g_lat, dtype)
-    return out, head_summed(p)
-
-  blocks = (_to_blocks(pad_axis1(q_lat, tp, 0), qb), _to_blocks(pad_axis1(q_rope, tp, 0), qb),
-            _to_blocks(pad_axis1(idx, tp, 0), qb), _to_blocks(pad_axis1(valid, tp, False), qb))
-  out, p_sel = jax.lax.map(jax.checkpoint(body, prevent_cse=False), blocks)
-  return _from_blocks(out)[:, :t], _from_blocks(p_sel)[:, :t]
+  q = jnp.concatenate([q_lat, q_rope.astype(dtype)], axis=-1)
+  kv = jnp.concatenate([latent.astype(dtype), k_rope.astype(dtype)], axis=-1)
+  s = kv.shape[1]
+  ix = jnp.clip(pad_axis1(idx.astype(jnp.int32), tp, 0), 0, s - 1)
+  out, p_sel = _sparse_core(pad_axis1(q, tp, 0), kv, ix, pad_axis1(valid.astype(bool), tp, False),
+                            float(scale), c, qb)
+  return out[:, :t], p_sel[:, :t]
