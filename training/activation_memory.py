@@ -300,35 +300,28 @@ def dense_ffn(cfg: ModelConfig, loc: Local) -> LayerMemory:
   return LayerMemory("dense_ffn", tuple(bufs), dt)
 
 
-def _blocked_rows(rows: int, experts: int) -> tuple[int, int]:
-  """(blocks, block) of model.moe's 'blocked' path for `rows` assignments."""
-  per_expert = max(1, -(-rows // experts))
-  block = int(min(128, max(8, 1 << (per_expert - 1).bit_length())))
-  return (rows + experts * (block - 1)) // block, block
-
-
 def _expert_rows(cfg: ModelConfig, loc: Local, rows: int, experts: int, f: int) -> list[Buf]:
-  """Grouped SwiGLU of model.moe.dropless_experts over `rows` rows and `experts` local experts.
+  """Grouped SwiGLU of model.moe_experts.dropless_experts over `rows` rows and `experts` local experts.
 
-  'ragged_dot' (TPU/GPU): the sorted rows, gate/up/product [rows, f] and the
-  un-permuted output. 'blocked' (CPU): rows padded per expert to whole blocks,
-  and one gathered copy of an expert's three weights per block.
+  Both 'ragged_dot' (TPU/GPU) and 'grouped' (CPU, model/moe_grouped.py) run
+  on the expert-sorted rows and read each expert's weights in place. Stored:
+  the sorted rows, gate and up [rows, f] and the un-permuted output;
+  'ragged_dot' also keeps the SwiGLU product for its down-projection's
+  backward, while 'grouped' recomputes it per tile. The grouped backward
+  accumulates the three weight gradients in f32 [e, d, f] buffers and the row
+  gradients in an f32 [rows, d] buffer.
   """
   dt, d = _dt(cfg, loc), cfg.d_model
-  bufs = []
-  if loc.backend == "cpu":
-    blocks, block = _blocked_rows(rows, experts)
-    rows_p = blocks * block
-    bufs.append(Buf("per-block gathered expert weights [n,d,f] x3", 3 * blocks * d * f * dt, "saved", 3))
-    bufs.append(Buf("one's gradient f32 [n,d,f] (before scatter-add)", blocks * d * f * F32, "work"))
-  else:
-    rows_p = rows
-  bufs += [
-      Buf("expert rows in [R,d]", rows_p * d * dt, "saved"),
-      Buf("expert gate, up [R,f]", 2 * rows_p * f * dt, "saved", 2),
-      Buf("expert silu(g)*u [R,f]", rows_p * f * dt, "saved"),
+  bufs = [
+      Buf("expert rows in [R,d]", rows * d * dt, "saved"),
+      Buf("expert gate, up [R,f]", 2 * rows * f * dt, "saved", 2),
       Buf("expert rows out [R,d]", rows * d * dt, "saved"),
   ]
+  if loc.backend == "cpu":
+    bufs.append(Buf("grouped backward: dW f32 [e,d,f] x3 + row grads f32 [R,d]",
+                    3 * experts * d * f * F32 + rows * d * F32, "work"))
+  else:
+    bufs.append(Buf("expert silu(g)*u [R,f]", rows * f * dt, "saved"))
   return bufs
 
 
@@ -375,7 +368,7 @@ def moe_ffn(cfg: ModelConfig, loc: Local) -> LayerMemory:
              Buf("shared silu(g)*u", T * s * dt, "saved")]
     bufs += _weights(cfg, loc, "shared expert", (3, d, s), parts=3)
   e_local = e // loc.expert
-  # The blocked (CPU) path casts its per-block weight gathers, not the weights.
+  # The grouped (CPU) path casts each tile's slice of an expert's weights, not the weights.
   bufs += _weights(cfg, loc, "routed experts", (3, e_local, d, f), cast=loc.backend != "cpu", parts=3)
   bufs += _weights(cfg, loc, "w_router", (d, e_local))
   return LayerMemory("moe", tuple(bufs), dt)
