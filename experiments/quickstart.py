@@ -40,7 +40,8 @@ def main(argv):
         f"{entropy:.3f} nats/token; final training loss (mean of the last "
         f"{min(20, r['steps_this_launch'])} steps) {final:.3f} = {final / entropy:.2f} x unigram, "
         f"perplexity {math.exp(final):.1f}")
-  print(f"prefill + decode vs full forward: max |logit diff| {r['decode_max_logit_diff']:.2e}")
+  print(f"prefill + decode vs full forward: max |logit diff| {r['decode_max_logit_diff']:.2e} "
+        f"(top-k over every key; with the config's top-k {r['decode_max_logit_diff_sparse']:.2e})")
   print(f"sample (temperature {_TEMP.value}):\n{_PROMPT.value}{r['sample']}\n")
   work = epath.Path(r["workdir"])
   print(f"metrics:     {work / 'metrics.jsonl'} (TensorBoard: {work / 'tensorboard'})")
