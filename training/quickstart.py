@@ -41,36 +41,42 @@ def unigram_entropy(prepared_dir: str, vocab_size: int) -> float:
   return float(-(p * np.log(p)).sum())
 
 
+# Jitted once per process, so the sampler and both decode checks share compiled programs
+# (a new jax.jit per call would compile each of them again).
+_prefill = jax.jit(lambda m, x, k, c: m.prefill(x, k, c))
+_step = jax.jit(lambda m, x, c: m.decode_step(x, c))
+_forward = jax.jit(lambda m, x: m(x))
+
+
 def sample(model, prompt_ids: list[int], new_tokens: int, temperature: float, seed: int) -> list[int]:
   """Prefill + decode with temperature sampling (greedy at temperature <= 0); the new token ids."""
   n = len(prompt_ids)
   cache = model.init_cache(1, n + new_tokens + 1)
-  prefill = jax.jit(lambda m, x, k, c: m.prefill(x, k, c))
-  step = jax.jit(lambda m, x, c: m.decode_step(x, c))
-  logits, cache = prefill(model, jnp.asarray([prompt_ids], jnp.int32), jnp.asarray([n]), cache)
+  logits, cache = _prefill(model, jnp.asarray([prompt_ids], jnp.int32), jnp.asarray([n]), cache)
   last, key, out = logits[0, n - 1], jax.random.key(seed), []
   for _ in range(new_tokens):
     key, sub = jax.random.split(key)
     tok = (jnp.argmax(last) if temperature <= 0 else
            jax.random.categorical(sub, last / temperature))
     out.append(int(tok))
-    lg, cache = step(model, jnp.asarray([tok], jnp.int32), cache)
+    lg, cache = _step(model, jnp.asarray([tok], jnp.int32), cache)
     last = lg[0]
   return out
 
 
-def decode_gap(model, tokens: list[int], n: int) -> float:
+def decode_gap(model, tokens: list[int], n: int, max_len: int) -> float:
   """Max |logit| gap between prefill(tokens[:n]) + one decode step per later token and the full
-  forward over `tokens` (positions n-1 onwards)."""
-  cache = model.init_cache(1, len(tokens) + 1)
-  prefill = jax.jit(lambda m, x, k, c: m.prefill(x, k, c))
-  step = jax.jit(lambda m, x, c: m.decode_step(x, c))
-  logits, cache = prefill(model, jnp.asarray([tokens[:n]], jnp.int32), jnp.asarray([n]), cache)
+  forward over `tokens` (positions n-1 onwards). max_len: the cache length (>= len(tokens));
+  pass the sampler's so its compiled programs are reused."""
+  if max_len < len(tokens):
+    raise ValueError(f"decode_gap: max_len={max_len} < {len(tokens)} tokens.")
+  cache = model.init_cache(1, max_len)
+  logits, cache = _prefill(model, jnp.asarray([tokens[:n]], jnp.int32), jnp.asarray([n]), cache)
   decoded = [logits[0, n - 1]]
   for tok in tokens[n:]:
-    lg, cache = step(model, jnp.asarray([tok], jnp.int32), cache)
+    lg, cache = _step(model, jnp.asarray([tok], jnp.int32), cache)
     decoded.append(lg[0])
-  full, _ = jax.jit(lambda m, x: m(x))(model, jnp.asarray([tokens], jnp.int32))
+  full, _ = _forward(model, jnp.asarray([tokens], jnp.int32))
   return float(jnp.max(jnp.abs(full[0, n - 1:] - jnp.stack(decoded))))
 
 
@@ -105,9 +111,10 @@ def run(config, workdir: str, *, prompt: str, new_tokens: int, temperature: floa
   # f32 rounding (the step-by-step and whole-sequence programs round differently), which moves
   # that position's logits legitimately. The exact check therefore lets top-k cover every key;
   # the trained config's gap is reported beside it.
-  sparse_gap = decode_gap(model, tokens, len(prompt_ids))
-  exact = cfg.replace(index_topk=max(cfg.index_topk, len(tokens) + 1))
-  gap = decode_gap(load_model(summary["checkpoint_dir"], exact), tokens, len(prompt_ids))
+  max_len = len(prompt_ids) + new_tokens + 1  # the sampler's cache length
+  sparse_gap = decode_gap(model, tokens, len(prompt_ids), max_len)
+  exact = cfg.replace(index_topk=max(cfg.index_topk, max_len))
+  gap = decode_gap(load_model(summary["checkpoint_dir"], exact), tokens, len(prompt_ids), max_len)
   return {"final_loss": final, "unigram_entropy": entropy, "loss_over_unigram": final / entropy,
           "decode_max_logit_diff": gap, "decode_max_logit_diff_sparse": sparse_gap,
           "sample": tokenizer.decode(ids), "workdir": str(workdir),
