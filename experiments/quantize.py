@@ -14,7 +14,7 @@ held-out loss before and after (training/quantize.py says which text).
 
 The output is a normal Horizon checkpoint (params + meta, no optimizer state)
 whose stored config says `model.quantization`, so `training.checkpoint.load_model`,
-`experiments.serve` and `serving.engine.build_engine` load it like any other.
+`experiments.serve` and `serving.build.build_engine` load it like any other.
 Nothing partial is ever left at --out.
 """
 

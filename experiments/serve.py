@@ -25,7 +25,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from experiments.config_util import log_to_workdir
-from serving.engine import build_engine
+from serving.build import build_engine
 from serving.server import create_app
 
 _DEFAULT_CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "serve.py") + ":tiny"

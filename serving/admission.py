@@ -18,6 +18,21 @@ import numpy as np
 from serving.handle import Request, RequestError
 
 
+def validate_engine_args(model_cfg: Any, *, slots: int, max_context: int, prefill_chunk: int,
+                         max_queue: int) -> None:
+  """The Engine's sizes, checked against each other and the model (ValueError naming the field)."""
+  for name, v in (("slots", slots), ("max_context", max_context), ("prefill_chunk", prefill_chunk),
+                  ("max_queue", max_queue)):
+    if not isinstance(v, int) or v < 1:
+      raise ValueError(f"Engine: {name}={v!r} must be a positive int (config.serving.{name}).")
+  if max_context > model_cfg.max_seq_len:
+    raise ValueError(f"Engine: max_context={max_context} exceeds config.model.max_seq_len="
+                     f"{model_cfg.max_seq_len}; lower config.serving.max_context.")
+  if prefill_chunk > max_context:
+    raise ValueError(f"Engine: prefill_chunk={prefill_chunk} > max_context={max_context}; lower "
+                     "config.serving.prefill_chunk.")
+
+
 def validate_request(request: Request, *, max_context: int, vocab_size: int, model_cfg: Any,
                      has_vision: bool) -> None:
   """Raises RequestError for a request the engine cannot run as given.

@@ -76,6 +76,24 @@ class Slot:
     return self.handle.request.processor
 
 
+def chunk_inputs(slot: Slot, chunk: np.ndarray, width: int, cfg, no_images: jax.Array
+                 ) -> tuple[np.ndarray, jax.Array]:
+  """A prefill chunk's inputs: tokens [1, width] (right-padded) and image_embeds [1, width, d].
+
+  The chunk's image placeholders take the request's next patches, in order (`slot.images_fed`
+  advances); a chunk without placeholders gets `no_images` (zeros kept on the device).
+  """
+  tokens = np.zeros((1, width), np.int32)
+  tokens[0, :len(chunk)] = chunk
+  n_img = int(np.sum(chunk == cfg.image_token_id))
+  if not n_img:
+    return tokens, no_images
+  patches = np.zeros((1, width, cfg.d_model), np.float32)
+  patches[0, :n_img] = slot.patches[slot.images_fed:slot.images_fed + n_img]
+  slot.images_fed += n_img
+  return tokens, jnp.asarray(patches, cfg.jnp_dtype)
+
+
 def compile_programs(graphdef: nnx.GraphDef) -> dict[str, Callable]:
   """The engine's jitted programs (pure; the model enters as graphdef + state).
 

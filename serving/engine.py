@@ -54,7 +54,7 @@ import numpy as np
 from flax import nnx
 
 from serving import batch
-from serving.admission import validate_request
+from serving.admission import validate_engine_args, validate_request
 from serving.batch import Slot
 from serving.handle import Event, Handle, OverloadedError, Request, RequestError
 from serving.metrics import EngineMetrics
@@ -62,7 +62,7 @@ from serving.prefix_cache import PrefixCache, build_prefixer
 from serving.types import Delta, SamplingParams, Usage
 from serving.weights import compute_dtype_state, engine_castable
 
-__all__ = ["Engine", "Event", "Handle", "OverloadedError", "Request", "RequestError", "build_engine"]
+__all__ = ["Engine", "Event", "Handle", "OverloadedError", "Request", "RequestError"]
 
 _log = logging.getLogger(__name__)
 
@@ -96,16 +96,8 @@ class Engine:
                prefix_cache_block: int = 16, prefix_cache_exact: bool = False,
                compute_dtype_weights: bool = True):
     cfg = model.cfg
-    for name, v in (("slots", slots), ("max_context", max_context), ("prefill_chunk", prefill_chunk),
-                    ("max_queue", max_queue)):
-      if not isinstance(v, int) or v < 1:
-        raise ValueError(f"Engine: {name}={v!r} must be a positive int (config.serving.{name}).")
-    if max_context > cfg.max_seq_len:
-      raise ValueError(f"Engine: max_context={max_context} exceeds config.model.max_seq_len="
-                       f"{cfg.max_seq_len}; lower config.serving.max_context.")
-    if prefill_chunk > max_context:
-      raise ValueError(f"Engine: prefill_chunk={prefill_chunk} > max_context={max_context}; lower "
-                       "config.serving.prefill_chunk.")
+    validate_engine_args(cfg, slots=slots, max_context=max_context, prefill_chunk=prefill_chunk,
+                         max_queue=max_queue)
     self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
     self.slots, self.max_context, self.prefill_chunk = slots, max_context, prefill_chunk
     self.max_queue, self.vocab_size = max_queue, cfg.vocab_size
@@ -139,7 +131,6 @@ class Engine:
                                     cfg.image_token_id, self._cache)
     if self._prefixer is not None:
       self.metrics.prefix_capacity.set(self._prefixer.store.budget)
-    self._evictions_seen = 0
 
   def _serving_state(self, state: Any) -> Any:
     return state if self._castable is None else compute_dtype_state(state, self._castable, self.cfg.jnp_dtype)
@@ -368,15 +359,7 @@ class Engine:
       s = self._rows[i]
       chunk = s.prompt[s.fed:s.fed + c]
       width = next(b for b in self.prefill_buckets if b >= len(chunk))
-      tokens = np.zeros((1, width), np.int32)
-      tokens[0, :len(chunk)] = chunk
-      embeds = self._no_images[width]
-      n_img = int(np.sum(chunk == self.cfg.image_token_id))
-      if n_img:  # this chunk's placeholders take the request's next n_img patches, in order
-        patches = np.zeros((1, width, self.cfg.d_model), np.float32)
-        patches[0, :n_img] = s.patches[s.images_fed:s.images_fed + n_img]
-        s.images_fed += n_img
-        embeds = jnp.asarray(patches, self.cfg.jnp_dtype)
+      tokens, embeds = batch.chunk_inputs(s, chunk, width, self.cfg, self._no_images[width])
       logits, self._cache, routed = self._fns["prefill"](
           self._state, self._cache, np.int32(i), jnp.asarray(tokens), jnp.asarray([len(chunk)], np.int32),
           embeds)
@@ -509,50 +492,6 @@ class Engine:
     self._cache = self.model.init_cache(self.slots, self.max_context)
 
   def _update_gauges(self) -> None:
-    busy = [s for s in self._rows if s is not None]
-    self.metrics.slots_used.set(len(busy))
-    self.metrics.context_used.set(sum(s.cache_len for s in busy))
     with self._cond:
-      self.metrics.queue_length.set(len(self._waiting))
-    pc = self.prefix
-    if pc is not None:
-      self.metrics.prefix_blocks.set(len(pc))
-      self.metrics.prefix_bytes.set(pc.nbytes)
-      self.metrics.prefix_evictions.inc(pc.evictions - self._evictions_seen)
-      self._evictions_seen = pc.evictions
-
-
-def build_engine(config: Any, checkpoint: str | None = None) -> Engine:
-  """An (unstarted) Engine from a serve config (configs/serve.py) and optional checkpoint.
-
-  With a checkpoint (written by the pretraining launcher), its stored model
-  config wins over `config.model` (the weights decide the shapes); without
-  one, the model is randomly initialised from `config.model` with seed 0.
-  Tokenizer: `config.serving.tokenizer`, else the checkpoint run's
-  `data.tokenizer`, else the bundled one of the variant.
-  """
-  from model.config import ModelConfig
-  from model.decoder import build_model
-  from training.checkpoint import load_model, read_meta, stored_model_config
-  from training.tokenizer import default_tokenizer_path, load_tokenizer
-
-  s = config.serving
-  run = {}
-  if checkpoint:
-    meta = read_meta(checkpoint)
-    run = meta.get("config") or {}
-    # Fields added since the checkpoint was written come from config.model. One step throughout, so
-    # a trainer writing a newer checkpoint meanwhile cannot mix configs and weights.
-    cfg = stored_model_config(checkpoint, config.model, meta["step"])
-    model = load_model(checkpoint, cfg, step=meta["step"])
-  else:
-    cfg = ModelConfig.from_config(config.model)
-    cfg.validate()
-    model = build_model(cfg, seed=0)
-  path = s.tokenizer or (run.get("data") or {}).get("tokenizer") or default_tokenizer_path(
-      run.get("variant") or config.get("variant", "tiny"))
-  tokenizer = load_tokenizer(path, model_vocab_size=cfg.vocab_size, image_token_id=cfg.image_token_id)
-  return Engine(model, tokenizer, slots=s.slots, max_context=s.max_context,
-                prefill_chunk=s.prefill_chunk, seed=s.seed, max_queue=s.max_queue,
-                prefix_cache_mb=s.prefix_cache_mb, prefix_cache_block=s.prefix_cache_block,
-                prefix_cache_exact=s.prefix_cache_exact)
+      waiting = len(self._waiting)
+    self.metrics.observe([s.cache_len for s in self._rows if s is not None], waiting, self.prefix)

@@ -36,6 +36,8 @@ The client also writes a `*_created` timestamp per counter and histogram
 
 from __future__ import annotations
 
+from typing import Any
+
 import prometheus_client
 from prometheus_client.exposition import choose_encoder
 
@@ -114,6 +116,19 @@ class EngineMetrics:
                                  registry=reg)
     self.slots_total.set(slots)
     self.context_capacity.set(slots * max_context)
+    self._evictions_seen = 0
+
+  def observe(self, busy_lengths: list[int], waiting: int, prefix: Any | None) -> None:
+    """Sets the gauges from the engine's state: the busy slots' cache lengths, the queue, the
+    prefix cache (serving/prefix_cache.PrefixCache or None); evictions since the last call."""
+    self.slots_used.set(len(busy_lengths))
+    self.context_used.set(sum(busy_lengths))
+    self.queue_length.set(waiting)
+    if prefix is not None:
+      self.prefix_blocks.set(len(prefix))
+      self.prefix_bytes.set(prefix.nbytes)
+      self.prefix_evictions.inc(prefix.evictions - self._evictions_seen)
+      self._evictions_seen = prefix.evictions
 
   def _hit_rate(self) -> float:
     prompt = self.prompt_tokens.value()

@@ -41,7 +41,7 @@ def serve_config():
 @pytest.fixture(scope="session")
 def engine(serve_config):
   """A started Engine on the randomly initialised tiny model; stopped at session end."""
-  from serving.engine import build_engine
+  from serving.build import build_engine
   eng = build_engine(serve_config).start()
   yield eng
   eng.stop()

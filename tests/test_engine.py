@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from serving.engine import OverloadedError, Request, RequestError, build_engine
+from serving.build import build_engine
+from serving.engine import OverloadedError, Request, RequestError
 from serving.types import SamplingParams, TextDelta
 from tests.helpers import assert_close
 

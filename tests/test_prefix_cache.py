@@ -27,7 +27,7 @@ def _build(model, tokenizer, **kw):
 @pytest.fixture(scope="module")
 def engines():
   from configs import serve
-  from serving.engine import build_engine
+  from serving.build import build_engine
   config = serve.get_config("tiny")
   config.model.max_seq_len = CONTEXT  # a tool conversation outgrows tiny's 256
   config.serving.update(slots=SLOTS, max_context=CONTEXT, prefill_chunk=CHUNK, prefix_cache_mb=0)

@@ -99,7 +99,8 @@ def test_quantized_checkpoint_serves_close_to_the_dense_one(converted, ckpts):
   weight perturbed by Gaussian noise of the same Frobenius norm as its MXFP4 error. Rounding to
   MXFP4 is such noise (zero-mean, in independent blocks) and lands within [0.5, 1.5] x its effect
   (measured 0.9-1.2 over seeds); a wrong layout, scale or axis would be an error of ~||W||, far above."""
-  from serving.engine import Request, build_engine
+  from serving.build import build_engine
+  from serving.engine import Request
   from serving.types import SamplingParams
   what, out, cfg, done = converted
   dense = load_model(ckpts["mixed"][0], cfg)

@@ -36,7 +36,7 @@ def test_castable_follows_conversions_nested_calls_and_moves():
 @pytest.fixture(scope="module")
 def bf16_model():
   from configs import serve
-  from serving.engine import build_engine
+  from serving.build import build_engine
   config = serve.get_config("tiny")
   config.model.dtype = "bfloat16"  # f32 master weights, bf16 compute: the case this is for
   config.serving.update(slots=2, max_context=96, prefill_chunk=16, prefix_cache_mb=0)

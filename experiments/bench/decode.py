@@ -34,7 +34,8 @@ import numpy as np
 from absl import app, flags
 
 from configs import serve
-from serving.engine import Engine, Request, build_engine
+from serving.build import build_engine
+from serving.engine import Engine, Request
 from serving.types import SamplingParams
 
 _QUICK = flags.DEFINE_bool("quick", False, "tiny model, fewer tokens.")

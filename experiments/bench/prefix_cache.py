@@ -30,8 +30,9 @@ import numpy as np
 from absl import app, flags
 
 from configs import serve
+from serving.build import build_engine
 from serving.chat import ChatRenderer
-from serving.engine import Engine, Request, build_engine
+from serving.engine import Engine, Request
 from serving.types import Message, SamplingParams, TextPart, Tool, ToolCall
 
 _QUICK = flags.DEFINE_bool("quick", False, "tiny model, a short conversation.")

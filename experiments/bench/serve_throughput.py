@@ -36,7 +36,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from configs import serve
-from serving.engine import build_engine
+from serving.build import build_engine
 from serving.server import BackgroundServer, create_app
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Serve config; default configs/serve.py:small "

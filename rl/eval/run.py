@@ -32,8 +32,8 @@ def generated_tasks(domains: Sequence[str], split: str, difficulty: int, n: int,
 
 def engine_policy(config, checkpoint: str | None):
   """(EnginePolicy, engine) over a checkpoint (or random weights) with config.serving's engine."""
+  from serving.build import build_engine
   from serving.chat import ChatRenderer
-  from serving.engine import build_engine
 
   engine = build_engine(config, checkpoint).start()
   vision = engine.cfg.vision

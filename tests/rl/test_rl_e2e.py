@@ -97,7 +97,8 @@ def test_sigkill_mid_step_and_resume_is_identical(straight):
 def test_rl_checkpoint_serves(straight):
   """experiments.serve's engine loads the RL workdir's checkpoint and generates."""
   from configs import serve
-  from serving.engine import Request, build_engine
+  from serving.build import build_engine
+  from serving.engine import Request
   from serving.types import SamplingParams
   base, _ = straight
   engine = build_engine(serve.get_config("tiny"), str(base / "straight" / "checkpoints"))

@@ -17,8 +17,8 @@ from rl.tasks.generators import math as gen
 from rl.train import batch as batch_lib
 from rl.train import objectives as obj_lib
 from rl.train import update as update_lib
+from serving.build import build_engine
 from serving.chat import ChatRenderer
-from serving.engine import build_engine
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,43 @@
+"""Building an Engine from a serve config (configs/serve.py) and an optional checkpoint."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from serving.engine import Engine
+
+
+def build_engine(config: Any, checkpoint: str | None = None) -> Engine:
+  """An (unstarted) Engine from a serve config (configs/serve.py) and optional checkpoint.
+
+  With a checkpoint (written by the pretraining launcher), its stored model
+  config wins over `config.model` (the weights decide the shapes); without
+  one, the model is randomly initialised from `config.model` with seed 0.
+  Tokenizer: `config.serving.tokenizer`, else the checkpoint run's
+  `data.tokenizer`, else the bundled one of the variant.
+  """
+  from model.config import ModelConfig
+  from model.decoder import build_model
+  from training.checkpoint import load_model, read_meta, stored_model_config
+  from training.tokenizer import default_tokenizer_path, load_tokenizer
+
+  s = config.serving
+  run = {}
+  if checkpoint:
+    meta = read_meta(checkpoint)
+    run = meta.get("config") or {}
+    # Fields added since the checkpoint was written come from config.model. One step throughout, so
+    # a trainer writing a newer checkpoint meanwhile cannot mix configs and weights.
+    cfg = stored_model_config(checkpoint, config.model, meta["step"])
+    model = load_model(checkpoint, cfg, step=meta["step"])
+  else:
+    cfg = ModelConfig.from_config(config.model)
+    cfg.validate()
+    model = build_model(cfg, seed=0)
+  path = s.tokenizer or (run.get("data") or {}).get("tokenizer") or default_tokenizer_path(
+      run.get("variant") or config.get("variant", "tiny"))
+  tokenizer = load_tokenizer(path, model_vocab_size=cfg.vocab_size, image_token_id=cfg.image_token_id)
+  return Engine(model, tokenizer, slots=s.slots, max_context=s.max_context,
+                prefill_chunk=s.prefill_chunk, seed=s.seed, max_queue=s.max_queue,
+                prefix_cache_mb=s.prefix_cache_mb, prefix_cache_block=s.prefix_cache_block,
+                prefix_cache_exact=s.prefix_cache_exact)
