@@ -97,6 +97,9 @@ def _full_model() -> ml_collections.ConfigDict:
   m.param_dtype = "bfloat16"
   m.dtype = "bfloat16"
   m.remat = "full"  # "none" | "full" | "save_dots"
+  # Trace and compile one period of the layer pattern and jax.lax.scan over its repeats
+  # (model/scan.py): the same maths as the unrolled stack, compile time independent of depth.
+  m.scan_layers = True
   # Kernels for sparse attention, the indexer top-k, the delta rule and MXFP4
   # matmuls: "pallas" (pallas_kernels/, interpret mode on CPU), "xla" (the
   # plain JAX paths), or "auto" = pallas on TPU/GPU, xla on CPU.
@@ -149,6 +152,7 @@ def _small(m: ml_collections.ConfigDict) -> None:
   m.param_dtype = "float32"
   m.dtype = "bfloat16"
   m.remat = "none"
+  m.scan_layers = False  # 8 layers compile in seconds unrolled
 
 
 def _agent(m: ml_collections.ConfigDict) -> None:
@@ -194,6 +198,7 @@ def _tiny(m: ml_collections.ConfigDict) -> None:
   m.dsa_period = 2  # DSA, Delta, DSA, Delta
   m.num_dense_layers = 1
   m.dense_ffn_dim = 92
+  m.scan_layers = False
   m.max_seq_len = 256
   m.rope_theta = 10_000.0
   m.num_heads = 3

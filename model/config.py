@@ -100,6 +100,7 @@ class ModelConfig:
   param_dtype: str
   dtype: str
   remat: str
+  scan_layers: bool
   kernels: str
   quantization: str
 
@@ -183,6 +184,7 @@ class ModelConfig:
     need(isinstance(self.capacity_factor, (int, float)) and self.capacity_factor > 0,
          "capacity_factor", "must be a positive number (>= the expert mesh axis size never drops).")
     need(self.remat in ("none", "full", "save_dots"), "remat", "choose 'none', 'full' or 'save_dots'.")
+    need(isinstance(self.scan_layers, bool), "scan_layers", "must be True or False.")
     need(self.kernels in KERNELS, "kernels", f"choose one of {KERNELS}.")
     need(self.quantization in QUANTIZATIONS, "quantization", f"choose one of {QUANTIZATIONS}.")
     for f in ("dtype", "param_dtype"):

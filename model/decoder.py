@@ -34,6 +34,7 @@ from model.attention.dsa import GatedDSA
 from model.config import ModelConfig
 from model.layers import MLP, KeyGen, RMSNorm, einsum, maybe_remat, param
 from model.moe import MoE
+from model.scan import run_blocks
 from model.vision import VisionEncoder, merge_image_embeddings
 from sharding.rules import constrain
 
@@ -183,7 +184,6 @@ class Horizon(nnx.Module):
         raise ValueError(f"{name}: expected shape {(b, t)} like tokens, got {a.shape}.")
     x = constrain(self.embed_inputs(tokens, images), _ACT)
     fwd = maybe_remat(_block_forward, self.cfg.remat)
-    auxes = []
     n_moe = sum(kind == "moe" for kind in self.cfg.ffn_kinds)
     if routing is not None:
       want = (b, t, n_moe, self.cfg.experts_per_token)
@@ -191,14 +191,14 @@ class Horizon(nnx.Module):
         raise ValueError(f"routing: expected ids {want} (batch, tokens, MoE layers, experts_per_token) "
                          f"and routing_mask [{b}, {t}]; got {routing.shape} and "
                          f"{None if routing_mask is None else routing_mask.shape}.")
-    j = 0
+    replays, j = [], 0
     for block in self.blocks:
       replay = None
       if routing is not None and block.ffn_kind == "moe":
         replay, j = (routing[:, :, j], routing_mask.astype(bool)), j + 1
-      x, aux = fwd(block, x, positions, segment_ids, replay)
-      x = constrain(x, _ACT)
-      auxes.append(aux)
+      replays.append(replay)
+    x, auxes = run_blocks(self.blocks, self.cfg, x, positions, segment_ids, replays, fwd,
+                          lambda y: constrain(y, _ACT))
     return constrain(self.logits(x), ("batch", "length", "vocab")), _collect_aux(auxes)
 
   # ---- generation -----------------------------------------------------------
