@@ -11,6 +11,8 @@ r low-rank (LoRA) dim, c latent (kv_lora) dim.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from typing import Callable, Sequence
 
 import jax
@@ -57,18 +59,109 @@ def param(rngs: nnx.Rngs, shape: Sequence[int], axes: Sequence[str | None], dtyp
   return nnx.Param(value, axes=tuple(axes))
 
 
+# Name scope of the maths that runs in f32 by design whatever the compute dtype (the delta rule's
+# chunk algebra, router logits): the one place the precision policy allows f32 products in a
+# bf16 train step (tests/test_precision.py reads it from the traced step).
+F32_SCOPE = "f32_by_design"
+
+
 def einsum(spec: str, x: jax.Array, w: jax.Array, dtype) -> jax.Array:
-  """einsum in the compute dtype with f32 accumulation, result in `dtype`."""
+  """einsum in the compute dtype with f32 accumulation, result in `dtype`.
+
+  Below f32 (bf16 / f16 compute) the backward matmuls run in the compute dtype
+  too, with f32 accumulation: the cotangent is rounded to `dtype` before its
+  two products, and w's gradient comes out of the f32 accumulator in w's own
+  dtype (f32 master weights get f32 gradients without a bf16 round trip).
+  Autodiff of the plain form would instead carry the f32 cotangent of the
+  final cast into f32 x f32 backward products (twice the work on bf16 units;
+  XLA:CPU has no bf16 x bf16 -> bf16 product and upcasts it to f32).
+  """
+  dtype = jnp.dtype(dtype)
+  if dtype.itemsize < 4 and not _PLAIN_AUTODIFF[0] and _transposable(spec):
+    return _einsum_low(spec, dtype, dtype, jnp.dtype(x.dtype), jnp.dtype(w.dtype), x, w)
   return jnp.einsum(spec, x.astype(dtype), w.astype(dtype),
                     preferred_element_type=jnp.float32).astype(dtype)
+
+
+_PLAIN_AUTODIFF = [False]
+
+
+@contextlib.contextmanager
+def plain_autodiff_matmuls():
+  """Traces `einsum` as plain autodiff (f32 backward products) inside the block: the baseline
+  the precision benchmark and tests compare against. Trace-time only; compiled programs keep
+  what they were traced with."""
+  _PLAIN_AUTODIFF[0] = True
+  try:
+    yield
+  finally:
+    _PLAIN_AUTODIFF[0] = False
+
+
+@functools.lru_cache(maxsize=None)
+def _transposable(spec: str) -> bool:
+  """Whether both operand gradients are einsums of the other two terms: explicit output, no
+  ellipsis, no repeated index in an operand, every operand index in the other operand or the out."""
+  if "..." in spec or "->" not in spec:
+    return False
+  ins, out = spec.split("->")
+  if ins.count(",") != 1:
+    return False
+  a, b = ins.split(",")
+  if len(set(a)) != len(a) or len(set(b)) != len(b):
+    return False
+  return set(a) <= set(b) | set(out) and set(b) <= set(a) | set(out)
+
+
+def _vma_like(ct: jax.Array, primal: jax.Array) -> jax.Array:
+  """ct summed over the manual mesh axes it varies on and primal does not (inside shard_map):
+  the transpose of the implicit broadcast of an invariant operand (what autodiff inserts)."""
+  extra = tuple(sorted(_varying(ct) - _varying(primal)))
+  return jax.lax.psum(ct, extra) if extra else ct
+
+
+def _varying(a: jax.Array) -> frozenset:
+  """The manual mesh axes a value varies over inside shard_map (empty outside)."""
+  aval = jax.typeof(a)
+  mat = getattr(aval, "manual_axis_type", None)  # jax >= 0.9; `vma` before
+  return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _einsum_low(spec, dtype, out_dtype, x_dtype, w_dtype, x, w):
+  """einsum of x, w rounded to `dtype` with f32 accumulation, result in out_dtype; the backward's
+  two products take the cotangent rounded to `dtype` and return each operand's own dtype."""
+  return jnp.einsum(spec, x.astype(dtype), w.astype(dtype),
+                    preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+def _einsum_low_fwd(spec, dtype, out_dtype, x_dtype, w_dtype, x, w):
+  xc, wc = x.astype(dtype), w.astype(dtype)
+  return jnp.einsum(spec, xc, wc, preferred_element_type=jnp.float32).astype(out_dtype), (xc, wc)
+
+
+def _einsum_low_bwd(spec, dtype, out_dtype, x_dtype, w_dtype, res, g):
+  xc, wc = res
+  a, b, out = spec.replace("->", ",").split(",")
+  g = g.astype(dtype)
+  dx = jnp.einsum(f"{out},{b}->{a}", g, wc, preferred_element_type=jnp.float32).astype(x_dtype)
+  dw = jnp.einsum(f"{a},{out}->{b}", xc, g, preferred_element_type=jnp.float32).astype(w_dtype)
+  return _vma_like(dx, xc), _vma_like(dw, wc)
+
+
+_einsum_low.defvjp(_einsum_low_fwd, _einsum_low_bwd)
 
 
 def einsum_f32(spec: str, x: jax.Array, y: jax.Array) -> jax.Array:
   """einsum with inputs in x's (compute) dtype and the f32 result kept.
 
   For attention logits and indexer scores, which feed softmax / top-k in f32
-  (`einsum` would round the result back to the compute dtype).
+  (`einsum` would round the result back to the compute dtype). Below f32, the
+  backward rounds the f32 cotangent to x's dtype for its products, as `einsum`.
   """
+  dtype = jnp.dtype(x.dtype)
+  if dtype.itemsize < 4 and not _PLAIN_AUTODIFF[0] and _transposable(spec):  # see `einsum`
+    return _einsum_low(spec, dtype, jnp.dtype(jnp.float32), dtype, jnp.dtype(y.dtype), x, y)
   return jnp.einsum(spec, x, y.astype(x.dtype), preferred_element_type=jnp.float32)
 
 

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from model.config import ModelConfig
-from model.layers import MLP, einsum, param
+from model.layers import F32_SCOPE, MLP, einsum, param
 from model.moe_experts import IMPLS, dropless_experts, mxfp4_dropless_experts
 from model.moe_routing import (
     combine_weights,
@@ -89,7 +89,8 @@ class MoE(nnx.Module):
        weights [b, t, k] f32).
     """
     cfg = self.cfg
-    logits = einsum("btd,de->bte", x, self.w_router[...], jnp.float32)
+    with jax.named_scope(F32_SCOPE):  # routing decisions in f32 (the precision policy's exception)
+      logits = einsum("btd,de->bte", x, self.w_router[...], jnp.float32)
     scores = router_scores(logits, cfg.router_score)
     idx = select_experts(scores, self.router_bias[...], cfg.experts_per_token, cfg.router_groups,
                          cfg.router_topk_groups)

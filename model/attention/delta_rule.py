@@ -50,7 +50,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from model.layers import einsum
+from model.layers import F32_SCOPE, einsum
 from pallas_kernels.delta_rule.reference import check_inputs, initial_state_or_zeros
 
 # Diagonal blocks up to this size are inverted by the product form (log-depth matmuls);
@@ -58,6 +58,7 @@ from pallas_kernels.delta_rule.reference import check_inputs, initial_state_or_z
 _PRODUCT_BLOCK = 8
 
 
+@jax.named_scope(F32_SCOPE)
 def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None, reset=None):
   """Recurrent form: lax.scan over tokens; with t == 1 it is one decode step.
 
@@ -226,6 +227,7 @@ def _chunk_terms(q, k, v, g, beta, reset):
   return w, u0, scores, q_decayed, k_to_end, state_decay
 
 
+@jax.named_scope(F32_SCOPE)
 def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, reset=None, chunk_size: int = 64):
   """Chunkwise-parallel (WY/UT) form for training and prefill.
 
@@ -250,6 +252,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, reset=None, chu
 
   # The state stays f32 whatever the compute dtype: it sums decayed rank-c updates over the
   # whole sequence, and each chunk reads it back through w (the UT transform's inverse).
+  @jax.named_scope(F32_SCOPE)  # a scan body starts a fresh name stack
   def step(s, inp):
     w_n, u0_n, k_end_n, decay_n = inp
     u = u0_n - einsum("bhck,bhkv->bhcv", w_n, s, dt)

@@ -30,7 +30,7 @@ from flax import nnx
 
 from model.attention import sparse
 from model.config import ModelConfig
-from model.layers import RMSNorm, apply_rope, einsum, param
+from model.layers import F32_SCOPE, RMSNorm, apply_rope, einsum, param
 from pallas_kernels.indexer_topk.reference import allowed_mask, indexer_scores_dense
 from pallas_kernels.sparse_attention.reference import dense_mqa_attention
 from sharding.rules import per_shard
@@ -187,7 +187,8 @@ class GatedDSA(nnx.Module):
     """Dense warm-up stage: dense MLA; KL over all allowed keys of the dense indexer scores."""
     mask = allowed_mask(q_pos, q_seg, k_pos, k_seg)
     out_lat, p = dense_mqa_attention(q_lat, q_rope, latent, k_rope, mask, self.scale)
-    return out_lat, sparse.indexer_kl(p, indexer_scores_dense(q_i, w_i, k_i), mask)
+    with jax.named_scope(F32_SCOPE):  # the indexer's dense scores and KL run in f32
+      return out_lat, sparse.indexer_kl(p, indexer_scores_dense(q_i, w_i, k_i), mask)
 
   # ---- public API ------------------------------------------------------------
   def _check_x(self, fn: str, x: jax.Array) -> None:

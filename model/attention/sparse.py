@@ -44,7 +44,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from model.layers import einsum, einsum_f32
+from model.layers import F32_SCOPE, einsum, einsum_f32
 from pallas_kernels.common import need, pad_axis1
 from pallas_kernels.indexer_topk.reference import (
     allowed_mask,
@@ -138,7 +138,8 @@ def _topk_query_block(q, w, qp, qs, k_idx, k_pos, k_seg, needed, topk: int, kb: 
     kk = jax.lax.dynamic_slice_in_dim(k_idx, start, kb, axis=1)
     kp = jax.lax.dynamic_slice_in_dim(k_pos, start, kb, axis=1)
     ks = jax.lax.dynamic_slice_in_dim(k_seg, start, kb, axis=1)
-    scores = jnp.where(allowed_mask(qp, qs, kp, ks), indexer_scores_dense(q, w, kk), _NEG_INF)
+    with jax.named_scope(F32_SCOPE):  # the head-weighted sum of f32 dots feeds top-k
+      scores = jnp.where(allowed_mask(qp, qs, kp, ks), indexer_scores_dense(q, w, kk), _NEG_INF)
     ids = jnp.broadcast_to(start + jnp.arange(kb, dtype=jnp.int32), (b, qb, kb))
     vals, pick = jax.lax.top_k(jnp.concatenate([vals, scores], axis=-1), topk)
     idx = jnp.take_along_axis(jnp.concatenate([idx, ids], axis=-1), pick, axis=-1)
@@ -225,7 +226,8 @@ def selected_indexer_scores(q_idx: jax.Array, w_idx: jax.Array, k_idx: jax.Array
   def body(args):
     q, w, ix = args
     dots = einsum_f32("bthk,btjk->bthj", q, _gather_rows(k_idx, ix))
-    return jnp.einsum("bthj,bth->btj", jax.nn.relu(dots), w.astype(jnp.float32))
+    with jax.named_scope(F32_SCOPE):  # the head-weighted sum of f32 dots feeds the indexer's KL
+      return jnp.einsum("bthj,bth->btj", jax.nn.relu(dots), w.astype(jnp.float32))
 
   blocks = (_to_blocks(pad_axis1(q_idx, tp, 0), qb), _to_blocks(pad_axis1(w_idx, tp, 0), qb),
             _to_blocks(pad_axis1(idx, tp, 0), qb))
