@@ -6,7 +6,8 @@ import numpy as np
 
 from training.tolerance import RTOL, assert_close, rel_err
 
-__all__ = ["RTOL", "assert_close", "drive_processor", "kill_once_saved", "rel_err", "subprocess_env"]
+__all__ = ["RTOL", "assert_close", "drive_processor", "kill_once_saved", "model_like", "rel_err",
+           "subprocess_env", "text_tokens"]
 
 
 def subprocess_env(devices: int) -> dict:
@@ -62,3 +63,21 @@ def drive_processor(proc, rng, free_ids, max_steps: int = 400, stop_id: int | No
     if reason is not None:
       break
   return deltas + proc.close(reason or "length"), reason
+
+
+def model_like(model, cfg):
+  """A model of config `cfg` holding `model`'s variables (no new init): the same weights under
+  another remat / dtype / scan setting."""
+  from flax import nnx
+
+  from model.decoder import abstract_model
+  m = abstract_model(cfg)
+  nnx.update(m, nnx.state(model))
+  return m
+
+
+def text_tokens(cfg, shape, seed=0):
+  """Random int32 token ids below the image placeholder id (text only)."""
+  import jax.numpy as jnp
+  return jnp.asarray(np.random.default_rng(seed).integers(0, cfg.image_token_id, shape), jnp.int32)
+

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from model.decoder import abstract_model, build_model
-from tests.helpers import assert_close
+from model.decoder import build_model
+from tests.helpers import assert_close, model_like, text_tokens
 
 
 @pytest.fixture(scope="module")
@@ -35,20 +35,10 @@ def _ce(logits, tok):
   return jnp.mean(jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, tok[..., None], -1)[..., 0])
 
 
-def _like(model, cfg):
-  """A model of config `cfg` holding `model`'s variables (no new init)."""
-  m = abstract_model(cfg)
-  nnx.update(m, nnx.state(model))
-  return m
-
-
-def _tokens(cfg, shape, seed=0):
-  # Text tokens only (no image placeholder id).
-  return jnp.asarray(np.random.default_rng(seed).integers(0, cfg.image_token_id, shape), jnp.int32)
 
 
 def test_forward_shapes_and_aux(model, tiny_cfg):
-  tok = _tokens(tiny_cfg, (2, 29))
+  tok = text_tokens(tiny_cfg, (2, 29))
   logits, aux = fwd(model, tok)
   assert logits.shape == (2, 29, tiny_cfg.vocab_size) and logits.dtype == jnp.float32
   assert np.all(np.isfinite(logits))
@@ -60,7 +50,7 @@ def test_forward_shapes_and_aux(model, tiny_cfg):
 
 
 def test_packed_segments_do_not_interact(model, tiny_cfg):
-  a, b = _tokens(tiny_cfg, (1, 19), 1), _tokens(tiny_cfg, (1, 23), 2)
+  a, b = text_tokens(tiny_cfg, (1, 19), 1), text_tokens(tiny_cfg, (1, 23), 2)
   packed = jnp.concatenate([a, b], 1)
   seg = jnp.concatenate([jnp.full((1, 19), 1), jnp.full((1, 23), 2)], 1).astype(jnp.int32)
   pos = jnp.concatenate([jnp.arange(19), jnp.arange(23)])[None].astype(jnp.int32)
@@ -74,7 +64,7 @@ def test_packed_segments_do_not_interact(model, tiny_cfg):
 def test_prefill_then_decode_equals_full_forward(model, tiny_cfg):
   """Rows with different prompt lengths; logits equal the full forward's (f32, 1e-4)."""
   total, lengths = 30, np.array([7, 18])
-  seq = _tokens(tiny_cfg, (2, total), 3)
+  seq = text_tokens(tiny_cfg, (2, total), 3)
   cache = model.init_cache(2, 40)
   plog, cache = prefill(model, seq[:, :18], jnp.asarray(lengths, jnp.int32), cache)
   dec = {r: [plog[r, : lengths[r]]] for r in range(2)}
@@ -91,7 +81,7 @@ def test_prefill_then_decode_equals_full_forward(model, tiny_cfg):
 
 
 def test_chunked_prefill_equals_one_prefill(model, tiny_cfg):
-  seq = _tokens(tiny_cfg, (2, 27), 4)
+  seq = text_tokens(tiny_cfg, (2, 27), 4)
   n = jnp.asarray([27, 27], jnp.int32)
   one, _ = prefill(model, seq, n, model.init_cache(2, 32))
   c = model.init_cache(2, 32)
@@ -103,7 +93,7 @@ def test_chunked_prefill_equals_one_prefill(model, tiny_cfg):
 def _image_inputs(cfg, seed):
   rng = np.random.default_rng(seed)
   p = cfg.vision.num_patches
-  tok = np.array(_tokens(cfg, (2, 2 * p + 9), seed))
+  tok = np.array(text_tokens(cfg, (2, 2 * p + 9), seed))
   tok[0, 3: 3 + p] = cfg.image_token_id          # row 0: one image
   tok[1, 2: 2 + 2 * p] = cfg.image_token_id      # row 1: two images
   v = cfg.vision
@@ -150,7 +140,7 @@ def test_chunked_prefill_with_image_embeds_equals_forward(model, tiny_cfg):
 
 def test_reset_cache_rows_empties_only_those_rows(model, tiny_cfg):
   from model.decoder import reset_cache_rows
-  seq = _tokens(tiny_cfg, (2, 9), 8)
+  seq = text_tokens(tiny_cfg, (2, 9), 8)
   _, cache = prefill(model, seq, jnp.asarray([9, 9], jnp.int32), model.init_cache(2, 16))
   reset = reset_cache_rows(cache, jnp.asarray([False, True]))
   fresh = model.init_cache(2, 16)
@@ -181,7 +171,7 @@ def test_too_many_placeholders_is_a_clear_error(model, tiny_cfg):
 
 
 def test_remat_matches_no_remat(tiny_cfg, model):
-  tok = _tokens(tiny_cfg, (2, 21), 8)
+  tok = text_tokens(tiny_cfg, (2, 21), 8)
 
   @nnx.jit
   def loss_and_grad(m):
@@ -192,7 +182,7 @@ def test_remat_matches_no_remat(tiny_cfg, model):
     return nnx.value_and_grad(loss)(m)
 
   l0, g0 = loss_and_grad(model)
-  l1, g1 = loss_and_grad(_like(model, tiny_cfg.replace(remat="full")))
+  l1, g1 = loss_and_grad(model_like(model, tiny_cfg.replace(remat="full")))
   assert_close(l1, l0, what="loss")
   leaves = lambda g: jax.tree.leaves(nnx.state(g, nnx.Param))
   for a, b in zip(leaves(g1), leaves(g0), strict=True):
@@ -206,9 +196,9 @@ def test_bf16_compute_close_to_f32(tiny_cfg, model):
   routing) may flip on near-ties under bf16 rounding, which moves individual
   logits by more than bf16 precision without being a bug.
   """
-  tok = _tokens(tiny_cfg, (2, 17), 9)
+  tok = text_tokens(tiny_cfg, (2, 17), 9)
   ref, _ = fwd(model, tok)
-  got, _ = fwd(_like(model, tiny_cfg.replace(dtype="bfloat16")), tok)
+  got, _ = fwd(model_like(model, tiny_cfg.replace(dtype="bfloat16")), tok)
   assert got.dtype == jnp.float32 and np.all(np.isfinite(got))
   assert_close(_ce(got, tok), _ce(ref, tok), dtype="bfloat16", what="bf16 loss")
 
@@ -227,7 +217,7 @@ def test_small_prefill_decode_matches_forward_beyond_topk():
   from model.config import ModelConfig
   cfg = ModelConfig.from_config(horizon.get_config("small").model).replace(dtype="float32")
   m = build_model(cfg, seed=2)
-  seq = _tokens(cfg, (1, 300), 11)
+  seq = text_tokens(cfg, (1, 300), 11)
   full, _ = fwd(m, seq)
   c = m.init_cache(1, 320)
   a, c = prefill(m, seq[:, :150], jnp.asarray([150], jnp.int32), c)

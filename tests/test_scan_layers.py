@@ -16,7 +16,7 @@ from model.scan import LayerPlan, layer_plan
 from sharding import mesh as mesh_lib
 from sharding import rules as rules_lib
 from sharding.state import create_sharded_model
-from tests.helpers import RTOL, assert_close, rel_err
+from tests.helpers import RTOL, assert_close, model_like, rel_err, text_tokens
 
 
 def _tiny(**changes) -> ModelConfig:
@@ -27,15 +27,6 @@ def _tiny(**changes) -> ModelConfig:
 CFG8 = dict(num_layers=8, dsa_period=2, num_dense_layers=1)
 
 
-def _like(model, cfg):
-  """A model of config `cfg` holding `model`'s variables (no new init)."""
-  m = abstract_model(cfg)
-  nnx.update(m, nnx.state(model))
-  return m
-
-
-def _tokens(cfg, shape, seed=0):
-  return jnp.asarray(np.random.default_rng(seed).integers(0, cfg.image_token_id, shape), jnp.int32)
 
 
 def test_layer_plan():
@@ -65,7 +56,7 @@ def _loss_and_grads(m, tok, pos, seg, routing, mask):
 
 def _packed(cfg):
   """Two rows, the second packing two documents (positions restart, segment ids change)."""
-  tok = _tokens(cfg, (2, 23), 1)
+  tok = text_tokens(cfg, (2, 23), 1)
   pos = jnp.asarray(np.stack([np.arange(23), np.r_[np.arange(10), np.arange(13)]]), jnp.int32)
   seg = jnp.asarray(np.stack([np.ones(23), np.r_[np.ones(10), 2 * np.ones(13)]]), jnp.int32)
   return tok, pos, seg
@@ -73,7 +64,7 @@ def _packed(cfg):
 
 def _run(model, cfg, routing=None, mask=None):
   tok, pos, seg = _packed(cfg)
-  (loss, (logits, aux)), grads = _loss_and_grads(_like(model, cfg), tok, pos, seg, routing, mask)
+  (loss, (logits, aux)), grads = _loss_and_grads(model_like(model, cfg), tok, pos, seg, routing, mask)
   return loss, logits, aux, jax.tree_util.tree_leaves_with_path(nnx.state(grads, nnx.Param))
 
 
@@ -144,10 +135,10 @@ def test_train_step_matches_unrolled(unrolled):
 
 
 def test_structure_mismatch_is_a_clear_error(unrolled):
-  model = _like(unrolled, unrolled.cfg.replace(scan_layers=True))
+  model = model_like(unrolled, unrolled.cfg.replace(scan_layers=True))
   model.blocks[3].extra = nnx.Param(jnp.ones((2,)))
   with pytest.raises(ValueError, match="layer 3 differs in structure.*scan_layers=False"):
-    model(_tokens(model.cfg, (1, 5)))
+    model(text_tokens(model.cfg, (1, 5)))
 
 
 def _traced_dots(cfg) -> int:
@@ -174,7 +165,7 @@ def test_expert_parallel_mesh_matches_single_device():
   """tiny_sharded at 5 layers (two scanned units) on a (data 2, expert 4) mesh: loss and gradients
   equal the unrolled single-device step, and no device holds a whole expert tensor, stacked or not."""
   cfg = ModelConfig.from_config(horizon.get_config("tiny_sharded").model).replace(num_layers=5)
-  tok = _tokens(cfg, (8, 21))
+  tok = text_tokens(cfg, (8, 21))
 
   def grads(graphdef, state, tokens):
     def loss(m):
