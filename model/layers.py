@@ -60,7 +60,7 @@ def param(rngs: nnx.Rngs, shape: Sequence[int], axes: Sequence[str | None], dtyp
 
 
 # Name scope of the maths that runs in f32 by design whatever the compute dtype (the delta rule's
-# chunk algebra, router logits): the one place the precision policy allows f32 products in a
+# chunk algebra, router logits, indexer scores): the one place the precision policy allows f32 products in a
 # bf16 train step (tests/test_precision.py reads it from the traced step).
 F32_SCOPE = "f32_by_design"
 

@@ -147,6 +147,7 @@ def _losses(cfg, steps: int, plain: bool = False):
   return np.asarray(out)
 
 
+@pytest.mark.slow  # compiles several programs; .ci/run runs the slow suite
 def test_bf16_loss_curve_matches_f32_policy():
   """30 steps of tiny (learning rate and schedule of its config) on the stdlib byte corpus: the
   bf16-compute curve stays within 2e-2 (bf16's tolerance) of the f32 curve at every step, and
@@ -160,6 +161,7 @@ def test_bf16_loss_curve_matches_f32_policy():
   np.testing.assert_allclose(bf16, plain, rtol=2e-2)
 
 
+@pytest.mark.slow  # compiles several programs; .ci/run runs the slow suite
 def test_expert_parallel_mesh_custom_backward_matches_autodiff():
   """The custom backward under shard_map (expert-parallel MoE), where a cotangent can vary over
   mesh axes its operand does not (model/layers._vma_like sums it over them): on a (data 2,

@@ -103,6 +103,7 @@ def test_scan_matches_unrolled(unrolled, grad_noise, remat):
   _compare(unrolled, remat, grad_noise)
 
 
+@pytest.mark.slow  # compiles several programs; .ci/run runs the slow suite
 def test_routing_replay_through_the_scan(unrolled, grad_noise):
   """Replayed experts reach the right layer inside the scan: replaying other experts (a shift of
   the model's own choice) gives the unrolled stack's loss, gradients and ids under the same replay."""
@@ -116,6 +117,7 @@ def test_routing_replay_through_the_scan(unrolled, grad_noise):
   np.testing.assert_array_equal(got[np.asarray(mask)], np.asarray(other)[np.asarray(mask)])
 
 
+@pytest.mark.slow  # compiles several programs; .ci/run runs the slow suite
 def test_train_step_matches_unrolled(unrolled):
   from training import byte_corpus
   from training.train_step import TrainConfig, jit_train_step, make_optimizer
@@ -161,6 +163,7 @@ def test_traced_layers_do_not_grow_with_depth():
   assert unrolled > 10 * b, (unrolled, b)
 
 
+@pytest.mark.slow  # compiles several programs; .ci/run runs the slow suite
 def test_expert_parallel_mesh_matches_single_device():
   """tiny_sharded at 5 layers (two scanned units) on a (data 2, expert 4) mesh: loss and gradients
   equal the unrolled single-device step, and no device holds a whole expert tensor, stacked or not."""
