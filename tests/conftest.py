@@ -9,12 +9,37 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+from tests.helpers import CACHE_MAX_BYTES, compile_cache_dir  # noqa: E402
+
 jax.config.update("jax_default_matmul_precision", "highest")
-# Reuse compiled programs across runs on the same machine (a speed-up only:
-# the cache is keyed by the program and the jax version).
-jax.config.update("jax_compilation_cache_dir",
-                  os.environ.get("HORIZON_JAX_CACHE", "/tmp/horizon_jax_cache"))
+# Reuse compiled programs across runs on the same machine (a speed-up only: the cache is keyed by the
+# program, and its folder by the jaxlib version and the CPU, see tests/helpers.compile_cache_dir).
+jax.config.update("jax_compilation_cache_dir", compile_cache_dir())
+jax.config.update("jax_compilation_cache_max_size", CACHE_MAX_BYTES)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+# A test that hangs dumps every thread's stack and ends its process (xdist reports the worker's
+# test as failed and goes on) instead of holding CI until its limit. $HORIZON_HANG_LIMIT_S overrides.
+HANG_LIMIT_S = {"default": 900, "slow": 1800}
+
+
+_hang_report = []  # a copy of the real stderr, taken before output capture starts per test
+
+
+def pytest_configure(config):
+  _hang_report.append(os.fdopen(os.dup(2), "w"))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+  import faulthandler
+  limit = float(os.environ.get("HORIZON_HANG_LIMIT_S", 0)) or \
+      HANG_LIMIT_S["slow" if item.get_closest_marker("slow") else "default"]
+  faulthandler.dump_traceback_later(limit, exit=True, file=_hang_report[0])
+  try:
+    yield
+  finally:
+    faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture(scope="session")

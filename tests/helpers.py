@@ -6,8 +6,43 @@ import numpy as np
 
 from training.tolerance import RTOL, assert_close, rel_err
 
-__all__ = ["RTOL", "assert_close", "drive_processor", "kill_once_saved", "model_like", "rel_err",
-           "subprocess_env", "text_tokens"]
+__all__ = ["RTOL", "assert_close", "compile_cache_env", "drive_processor", "kill_once_saved", "model_like",
+           "rel_err", "subprocess_env", "text_tokens"]
+
+# The persistent compile cache's size cap: jax evicts least-recently-used entries past it (under a
+# file lock shared by the processes using the folder), so /tmp does not grow run after run.
+CACHE_MAX_BYTES = 8 << 30
+
+
+def compile_cache_dir() -> str:
+  """The suite's persistent compile cache: $HORIZON_JAX_CACHE (default /tmp/horizon_jax_cache), one
+  sub-folder per jaxlib version and CPU model + feature flags.
+
+  jax keys an entry by program, jaxlib, XLA flags and device kind ("cpu"), not by the host's
+  instruction set; an XLA:CPU executable written on another CPU model fails the loader's machine
+  check and aborts the process (a CI run on a shared /tmp died so, in test_overfit).
+  """
+  import hashlib
+  import os
+
+  import jaxlib
+  base = os.environ.get("HORIZON_JAX_CACHE", "/tmp/horizon_jax_cache")
+  cpu = ""
+  try:
+    with open("/proc/cpuinfo") as f:
+      cpu = "".join(sorted({line for line in f if line.startswith(("model name", "flags"))}))
+  except OSError:
+    import platform
+    cpu = platform.processor() + platform.machine()
+  key = hashlib.sha256(cpu.encode()).hexdigest()[:12]
+  return os.path.join(base, f"jaxlib-{jaxlib.__version__}-cpu-{key}")
+
+
+def compile_cache_env() -> dict:
+  """The environment variables that give a child JAX process the suite's compile cache."""
+  return {"JAX_COMPILATION_CACHE_DIR": compile_cache_dir(),
+          "JAX_COMPILATION_CACHE_MAX_SIZE": str(CACHE_MAX_BYTES),
+          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5"}
 
 
 def subprocess_env(devices: int) -> dict:
@@ -20,8 +55,7 @@ def subprocess_env(devices: int) -> dict:
   env = dict(os.environ)
   env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
   env["JAX_PLATFORMS"] = "cpu"
-  env["JAX_COMPILATION_CACHE_DIR"] = os.environ.get("HORIZON_JAX_CACHE", "/tmp/horizon_jax_cache")
-  env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.5"
+  env.update(compile_cache_env())
   for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
     env.pop(k, None)
   return env

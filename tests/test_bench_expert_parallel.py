@@ -13,14 +13,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.helpers import compile_cache_env
+
 ROOT = Path(__file__).resolve().parents[1]
 MODULE = "experiments.bench.expert_parallel"
 
 
 def _run(*args: str, xla_flags: str = "") -> subprocess.CompletedProcess:
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags,
-             JAX_COMPILATION_CACHE_DIR=os.environ.get("HORIZON_JAX_CACHE", "/tmp/horizon_jax_cache"),
-             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags, **compile_cache_env())
   return subprocess.run([sys.executable, "-m", MODULE, *args], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=120)
 
