@@ -44,6 +44,9 @@ def _serving(variant: str) -> ml_collections.ConfigDict:
   s.max_context = _CONTEXT[variant]
   s.prefill_chunk = _CHUNK[variant]
   s.max_queue = 1024  # waiting requests beyond this get 429/overloaded
+  # Up to this many decode + sample steps per device call while no row needs the host between
+  # tokens (serving/decode_loop.py; same tokens as one step per call); 1 = one step per call.
+  s.decode_steps = 8
   # Prefix cache: a request reuses the longest cached prefix of its prompt (per-block DSA state
   # and delta-state snapshots at block ends) and prefills the rest; LRU within the budget.
   s.prefix_cache_mb = _PREFIX_MB[variant]  # 0 = off

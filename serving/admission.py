@@ -19,10 +19,10 @@ from serving.handle import Request, RequestError
 
 
 def validate_engine_args(model_cfg: Any, *, slots: int, max_context: int, prefill_chunk: int,
-                         max_queue: int) -> None:
+                         max_queue: int, decode_steps: int = 1) -> None:
   """The Engine's sizes, checked against each other and the model (ValueError naming the field)."""
   for name, v in (("slots", slots), ("max_context", max_context), ("prefill_chunk", prefill_chunk),
-                  ("max_queue", max_queue)):
+                  ("max_queue", max_queue), ("decode_steps", decode_steps)):
     if not isinstance(v, int) or v < 1:
       raise ValueError(f"Engine: {name}={v!r} must be a positive int (config.serving.{name}).")
   if max_context > model_cfg.max_seq_len:

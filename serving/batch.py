@@ -136,6 +136,19 @@ def compile_programs(graphdef: nnx.GraphDef) -> dict[str, Callable]:
           "sample": jax.jit(sample_rows)}
 
 
+def sampling_args(slots: Sequence[Slot | None], rows: Sequence[int]) -> tuple[np.ndarray, ...]:
+  """[S] per-row inputs of serving.sampling.sample_row for `rows` (zeros elsewhere): temperature,
+  top_k, top_p, the seed's low and high words, tokens generated so far."""
+  n = len(slots)
+  temp, top_k, top_p = np.zeros(n, np.float32), np.zeros(n, np.int32), np.ones(n, np.float32)
+  lo, hi, n_gen = (np.zeros(n, np.uint32) for _ in range(3))
+  for i in rows:
+    s = slots[i]
+    temp[i], top_k[i], top_p[i] = s.params.temperature, s.params.top_k, s.params.top_p
+    lo[i], hi[i], n_gen[i] = s.seed & 0xFFFFFFFF, s.seed >> 32, len(s.generated)
+  return temp, top_k, top_p, lo, hi, n_gen
+
+
 def _row_constraint(proc: TokenProcessor, vocab_size: int) -> int | np.ndarray | None:
   """A processor's constraint checked: a forced id, a bool [V] mask, or None (free)."""
   c = proc.next_constraint()

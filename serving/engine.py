@@ -1,4 +1,4 @@
-"""The generation engine: continuous batching over fixed slots, chunked prefill, a jitted decode step.
+"""The generation engine: continuous batching over fixed slots, chunked prefill, jitted decode steps.
 
 Design (Orca-style iteration-level scheduling, Yu et al., OSDI 2022; chunked
 prefill as in Sarathi-Serve, Agrawal et al., OSDI 2024): the engine owns one
@@ -9,31 +9,27 @@ One background thread loops:
      (`reset_cache_rows`), encode the request's images once, and load the
      longest cached prefix of its prompt (serving/prefix_cache.py), so only
      the rest is prefilled;
-  2. prefill ONE chunk for every slot still prefilling, one jitted
-     [1, width] call per such row (its decode state sliced out and written
-     back in place; width: the smallest of prefill_chunk, /2, /4 holding the
-     chunk), so prefill costs what the prefilling rows need;
-  3. one jitted decode step [slots] for every decoding slot (a valid mask
-     keeps idle and prefilling rows untouched);
-  4. sample every row that got logits (jitted, per row), hand the tokens to
-     the requests' processors and deliver events; finished slots are freed
-     at once and refilled at the next iteration.
+  2. prefill ONE chunk for every slot still prefilling, one jitted [1, width] call per such row
+     (its decode state sliced out and written back in place; width: the smallest of
+     prefill_chunk, /2, /4 holding the chunk), so prefill costs what the prefilling rows need;
+  3. one decode call for every decoding slot (serving/decode_loop.py; a valid mask keeps idle
+     and prefilling rows untouched): up to `decode_steps` decode + sample steps when no row
+     needs the host between tokens, else one step under the rows' constraints;
+  4. sample the rows whose prompt is complete, hand every new token to its request's processor
+     and deliver events; finished slots are freed and refilled at the next iteration.
 
-Steps 2 and 3 add to the prefix cache every block a row completes (with a
-snapshot of the delta layers' state where the row stands on a block's end).
+Steps 2 and 3 add to the prefix cache every block a row completes (with a snapshot of the delta
+layers' state where the row stands on a block's end).
 
-Why prefill and decode are separate calls with fixed shapes (a request's
-numerics must not depend on what else runs): serving/batch.py, which holds
-the per-slot state and the jitted programs. The model is split once
-(`nnx.split`) so `update_weights` swaps weights without recompiling. Under
-`jit` the model silently drops cache writes beyond `max_len`, so the engine
-bounds every row: a request needs `len(prompt) + max_tokens <= max_context`
-(serving/admission.py) and a row finishes with 'length' before it could
-overflow.
+Why prefill and decode are separate calls with fixed shapes (a request's numerics must not depend
+on what else runs): serving/batch.py, which holds the per-slot state and the jitted programs. The
+model is split once (`nnx.split`) so `update_weights` swaps weights without recompiling. Under
+`jit` the model silently drops cache writes beyond `max_len`, so the engine bounds every row: a
+request needs `len(prompt) + max_tokens <= max_context` (serving/admission.py) and a row finishes
+with 'length' before it could overflow.
 
-Sync and async consumers: `Handle.events()` blocks on a queue;
-`Handle.aevents()` receives events through `loop.call_soon_threadsafe` on
-the caller's asyncio loop (no thread per request).
+Sync and async consumers: `Handle.events()` blocks on a queue; `Handle.aevents()` receives events
+through `loop.call_soon_threadsafe` on the caller's asyncio loop (no thread per request).
 
 Shapes: S slots, C prefill chunk, V vocab, d model dim.
 """
@@ -53,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from serving import batch
+from serving import batch, decode_loop
 from serving.admission import validate_engine_args, validate_request
 from serving.batch import Slot
 from serving.handle import Event, Handle, OverloadedError, Request, RequestError
@@ -65,9 +61,6 @@ from serving.weights import compute_dtype_state, engine_castable
 __all__ = ["Engine", "Event", "Handle", "OverloadedError", "Request", "RequestError"]
 
 _log = logging.getLogger(__name__)
-
-
-# ---- the engine -------------------------------------------------------------------
 
 
 class Engine:
@@ -86,18 +79,19 @@ class Engine:
     prefix_cache_exact: cache only what prefill chunks computed and resume only at multiples of
       prefill_chunk, so a resumed request is bit-identical to a cold one (RL's reproducibility);
       False also caches blocks decode steps complete (a completion is reused by the next turn).
-    compute_dtype_weights: hold the weights the programs only use in the compute dtype in that
-      dtype, converted once per weight update (serving/weights.py; the same bits, fewer bytes
-      read per step).
+    compute_dtype_weights: hold the weights the programs only use in the compute dtype in that dtype,
+      converted once per weight update (serving/weights.py; the same bits, fewer bytes per step).
+    decode_steps: most decode + sample steps per decode call (serving/decode_loop.py).
   """
 
   def __init__(self, model: Any, tokenizer: Any, *, slots: int, max_context: int, prefill_chunk: int,
                seed: int = 0, max_queue: int = 1024, prefix_cache_mb: float = 0.0,
                prefix_cache_block: int = 16, prefix_cache_exact: bool = False,
-               compute_dtype_weights: bool = True):
+               compute_dtype_weights: bool = True, decode_steps: int = 8):
     cfg = model.cfg
     validate_engine_args(cfg, slots=slots, max_context=max_context, prefill_chunk=prefill_chunk,
-                         max_queue=max_queue)
+                         max_queue=max_queue, decode_steps=decode_steps)
+    self.decode_steps = decode_steps
     self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
     self.slots, self.max_context, self.prefill_chunk = slots, max_context, prefill_chunk
     self.max_queue, self.vocab_size = max_queue, cfg.vocab_size
@@ -105,6 +99,7 @@ class Engine:
     self.metrics = EngineMetrics(slots, max_context)
     self._graphdef, state = nnx.split(model)
     self._fns = batch.compile_programs(self._graphdef)
+    self._fns["decode_loop"] = decode_loop.compile_decode_loop(self._graphdef, decode_steps)
     self._cache = model.init_cache(slots, max_context)
     self._castable = (engine_castable(self._fns, state, self._cache, cfg, prefill_chunk, slots,
                                       has_vision=model.vision is not None)
@@ -278,9 +273,7 @@ class Engine:
         self._admit()
         if not any(s is not None for s in self._rows):
           return False
-        pre = self._prefill()
-        dec = self._decode()
-        self._sample_and_emit(pre, dec)
+        self._decode_and_sample(self._prefill())
       except Exception:  # a failed device call: end every running request, keep serving
         _log.exception("engine step failed; ending %d running requests with 'error'",
                        sum(s is not None for s in self._rows))
@@ -377,55 +370,62 @@ class Engine:
     out = jnp.stack([by_row.get(i, self._no_logits) for i in range(self.slots)]).astype(jnp.float32)
     return out, done
 
-  def _decode(self) -> tuple[jax.Array, np.ndarray] | None:
-    """Feeds every decoding row its pending token; returns (logits [S, V], rows decoded)."""
-    valid = np.array([s is not None and s.pending is not None for s in self._rows])
-    if not valid.any():
-      return None
-    tokens = np.array([s.pending if v else 0 for s, v in zip(self._rows, valid, strict=True)], np.int32)
-    for i in np.flatnonzero(valid):
-      s = self._rows[i]
-      if s.cache_len >= self.max_context:  # never reached: finishing checks keep rows in bounds
-        raise AssertionError(f"slot {i} would exceed max_context={self.max_context}.")
-      s.cache_len += 1
-      s.pending = None
-    logits, self._cache, routed = self._fns["decode"](self._state, self._cache, jnp.asarray(tokens),
-                                                      jnp.asarray(valid))
-    recording = [i for i in np.flatnonzero(valid) if self._rows[i].routing is not None]
-    if recording and routed is not None:
-      host = np.asarray(routed)
-      for i in recording:
-        self._rows[i].routing.append(host[i:i + 1])
-    if self._prefixer is not None:
-      for i in np.flatnonzero(valid):
-        self._prefixer.add_blocks(self._cache, int(i), self._rows[i], decoded=True)
-    return logits, valid
-
-  # ---- sampling and delivery ------------------------------------------------------
-  def _sample_and_emit(self, pre, dec) -> None:
-    from_prefill = pre[1] if pre is not None else np.zeros(self.slots, bool)
-    rows = list(np.flatnonzero(from_prefill | (dec[1] if dec is not None else False)))
-    if not rows:
-      return
-    forced, masks, failed = batch.constraints(self._rows, rows, self.vocab_size)
+  def _decode_and_sample(self, pre) -> None:
+    """Samples the rows whose prompt just completed (from their prefill logits) and makes one
+    decode call for the decoding rows: up to `decode_steps` steps when `decode_loop.run_ahead`
+    allows, else one step under the constraints their processors ask for."""
+    done = pre[1] if pre is not None else np.zeros(self.slots, bool)
+    decoding = [i for i, s in enumerate(self._rows) if s is not None and s.pending is not None]
+    pc, call = self._prefixer, None
+    if decoding and not done.any():
+      block = pc.store.block if pc is not None and not pc.exact else None
+      call = decode_loop.run_ahead(self._rows, self._n_waiting(), block, self.max_context,
+                                   self.vocab_size, self.decode_steps)
+    asked = list(np.flatnonzero(done)) + ([] if call is not None else decoding)
+    forced, masks, failed = batch.constraints(self._rows, asked, self.vocab_size)
     for i in failed:
       self._finish(i, "error")
-    rows = [i for i in rows if i not in failed]
-    pl = pre[0] if pre is not None else dec[0]
-    dl = dec[0] if dec is not None else pl
-    temp, top_k, top_p = (np.zeros(self.slots, t) for t in (np.float32, np.int32, np.float32))
-    lo, hi, n_gen = (np.zeros(self.slots, np.uint32) for _ in range(3))
-    for i in rows:
+    decoding = [i for i in decoding if i not in failed]
+    if call is None and decoding:
+      call = decode_loop.one_step(self._rows, decoding, masks, forced, self.vocab_size)
+    if call is not None:
+      self._decode(call)
+    prefilled = [i for i in np.flatnonzero(done) if i not in failed]
+    if prefilled:
+      self._sample_prefilled(pre[0], prefilled, masks, forced)
+
+  def _decode(self, call: decode_loop.Call) -> None:
+    """One decode call (serving/decode_loop.py); delivers each row's tokens in order."""
+    mask = self._all_allowed if call.mask is None else jnp.asarray(call.mask)
+    tokens, logprobs, counts, routed, self._cache = self._fns["decode_loop"](
+        self._state, self._cache, *call.head, *call.sampling, mask, call.forced, *call.tail,
+        np.int32(call.max_steps))
+    tokens, logprobs, counts, routed = jax.device_get((tokens, logprobs, counts, routed))
+    pc = self._prefixer
+    for i in np.flatnonzero(counts):
       s = self._rows[i]
-      temp[i], top_k[i], top_p[i] = s.params.temperature, s.params.top_k, s.params.top_p
-      lo[i], hi[i], n_gen[i] = s.seed & 0xFFFFFFFF, s.seed >> 32, len(s.generated)
+      for j in range(counts[i]):
+        if self._rows[i] is not s:  # its processor ended it (a stop string): drop the rest
+          break
+        s.cache_len, s.pending = s.cache_len + 1, None  # token j's input was fed at step j
+        if s.routing is not None and routed is not None:
+          s.routing.append(routed[i, j:j + 1])
+        if pc is not None:  # a run stops where a block ends (run_ahead), so the state stands there
+          pc.add_blocks(self._cache, int(i), s, decoded=True)
+        self._accept(i, int(tokens[i, j]), float(logprobs[i, j]))
+
+  # ---- sampling and delivery ------------------------------------------------------
+  def _sample_prefilled(self, logits, rows: list[int], masks, forced) -> None:
+    """Samples each of `rows` (prompt just prefilled) from its last prefill logits [S, V]."""
+    temp, top_k, top_p, lo, hi, n_gen = batch.sampling_args(self._rows, rows)
+    from_prefill = np.isin(np.arange(self.slots), rows)
     tokens, logprobs = self._fns["sample"](
-        pl, dl, jnp.asarray(from_prefill), temp, top_k, top_p,
+        logits, logits, from_prefill, temp, top_k, top_p,
         self._all_allowed if masks is None else jnp.asarray(masks), forced, lo, hi, n_gen)
     tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
     for i in rows:
-      if self._rows[i].handle._capture_logits and from_prefill[i]:
-        self._rows[i].handle.first_logits = np.asarray(pl[i], np.float32)
+      if self._rows[i].handle._capture_logits:
+        self._rows[i].handle.first_logits = np.asarray(logits[i], np.float32)
       self._accept(i, int(tokens[i]), float(logprobs[i]))
 
   def _accept(self, i: int, token: int, logprob: float) -> None:
@@ -491,7 +491,9 @@ class Engine:
     # The decode state may have been donated to the failed call: start from a fresh one.
     self._cache = self.model.init_cache(self.slots, self.max_context)
 
-  def _update_gauges(self) -> None:
+  def _n_waiting(self) -> int:
     with self._cond:
-      waiting = len(self._waiting)
-    self.metrics.observe([s.cache_len for s in self._rows if s is not None], waiting, self.prefix)
+      return len(self._waiting)
+
+  def _update_gauges(self) -> None:
+    self.metrics.observe([s.cache_len for s in self._rows if s is not None], self._n_waiting(), self.prefix)

@@ -42,6 +42,7 @@ import numpy as np
 
 from serving.types import (
   Delta,
+  FreeRun,
   ResponseFormat,
   TextDelta,
   ThinkingDelta,
@@ -278,6 +279,20 @@ class OutputProcessor:
     if self._phase == "answer" and self._answer is not None:
       return self._answer.next(called=bool(self.tool_calls))
     return self._ban
+
+  def free_run(self) -> FreeRun | None:
+    """Tokens the engine may decode without asking again (serving.types.FreeRun): in thinking, up
+    to the budget, and in a free answer, under the ban mask until a special token (every phase
+    change starts with one); None while a grammar or tool-call constraint steps with each token."""
+    if self._finish is not None or self._closed:
+      return None
+    if self._phase == "think":
+      left = (1 << 30) if self._budget is None else self._budget - self.thinking_tokens
+      return FreeRun(self._ban, self._specials, left) if left > 0 else None
+    free = self._constraint is None or self._constraint.done
+    if self._phase == "answer" and free and self._answer is None:
+      return FreeRun(self._ban, self._specials, 1 << 30)
+    return None
 
   def feed(self, token_id: int) -> tuple[list[Delta], str | None]:
     """Consumes one generated token: (deltas, finish reason or None).

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 import numpy as np
 
@@ -130,6 +130,19 @@ class TokenProcessor(Protocol):
 
   def close(self, reason: str) -> list[Delta]:
     """The request ended (any reason): flushes held-back text; never raises."""
+
+  # Optional: `free_run() -> FreeRun | None` lets the engine decode several tokens per device call
+  # (serving/decode_loop.py); a processor without it gets one token per call.
+
+
+class FreeRun(NamedTuple):
+  """A token processor's promise for its next tokens (`free_run()`, serving/decode_loop.py): up to
+  `max_tokens` tokens, as long as none is in `pause_ids`, are sampled under `mask` (bool [<= V];
+  None = free) and feeding them does not change that. A token in `pause_ids` is sampled under
+  `mask` too; then the engine stops the run so the processor sees it before the next constraint."""
+  mask: np.ndarray | None
+  pause_ids: frozenset[int]
+  max_tokens: int
 
 
 @dataclasses.dataclass(frozen=True)

@@ -327,20 +327,20 @@ def test_image_request_matches_prefill_with_images(engine, reference):
 
 
 def test_engine_error_keeps_the_loop_alive(engine, reference):
-  real = engine._fns["decode"]
+  real = engine._fns["decode_loop"]
   calls = []
 
   def broken(*args):
     calls.append(1)
     raise RuntimeError("injected device failure")
 
-  engine._fns["decode"] = broken
+  engine._fns["decode_loop"] = broken
   try:
     handles = [engine.submit(Request(_prompt(5, 60 + j), _params(max_tokens=4))) for j in range(2)]
     while not all(h.done for h in handles):
       engine.step()
   finally:
-    engine._fns["decode"] = real
+    engine._fns["decode_loop"] = real
   assert calls and all(_collect(h)[2].finish_reason == "error" for h in handles)
   # A failing processor ends only its own request.
   proc = _Scripted(force=None, allowed=[1], n=99, vocab=engine.vocab_size)

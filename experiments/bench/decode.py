@@ -15,12 +15,14 @@ same process (a jitted sum over a 512 MiB array: bytes read per second):
            RoPE keys of the top-k selected ones; per row and delta layer, the recurrent state
            and conv history, read and written.
 
-Two engines on the same random weights, one holding the weights as stored (f32 masters, each
-converted to the compute dtype at every use) and one holding compute-dtype copies of the
-weights the programs only use in that dtype (serving/weights.py; the same bits), decode B
-requests of --new_tokens tokens after a --prompt-token prompt. tokens/s counts the tokens
-decoded after every row's first one, over the time from the last first token to the last
-token. Last line: JSON with tokens/s, the roofline fraction and the ratio of the two engines.
+Three engines on the same random weights decode B requests of --new_tokens tokens after a
+--prompt-token prompt: one holding the weights as stored (f32 masters, each converted to the
+compute dtype at every use), one holding compute-dtype copies of the weights the programs only
+use in that dtype (serving/weights.py; the same bits), both one decode step per device call,
+and the second again with up to --decode_steps steps per call (serving/decode_loop.py, the
+serving default). tokens/s counts the tokens decoded after every row's first one, over the
+time from the last first token to the last token. Last line: JSON with tokens/s, the roofline
+fraction and the ratios between the engines.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ _QUICK = flags.DEFINE_bool("quick", False, "tiny model, fewer tokens.")
 _PROMPT = flags.DEFINE_integer("prompt", 512, "Prompt tokens per request.")
 _NEW = flags.DEFINE_integer("new_tokens", 64, "Generated tokens per request.")
 _BATCHES = flags.DEFINE_list("batches", ["1", "16"], "Concurrent requests (decode batch sizes).")
+_STEPS = flags.DEFINE_integer("decode_steps", 8, "Most decode steps per device call (run-ahead).")
 
 
 def read_bandwidth(mib: int = 512, reps: int = 5) -> float:
@@ -107,13 +110,15 @@ def main(argv) -> None:
     config.model.dtype = "bfloat16"
   prompt, new = (40, 16) if quick else (_PROMPT.value, _NEW.value)
   context = 128 if quick else 1024
-  config.serving.update(slots=max(batches), max_context=context, prefix_cache_mb=0)
-  held = build_engine(config)
-  stored = Engine(held.model, held.tokenizer, slots=held.slots, max_context=context,
-                  prefill_chunk=held.prefill_chunk, compute_dtype_weights=False)
+  config.serving.update(slots=max(batches), max_context=context, prefix_cache_mb=0, decode_steps=_STEPS.value)
+  ahead = build_engine(config)
+  kw = dict(slots=ahead.slots, max_context=context, prefill_chunk=ahead.prefill_chunk, decode_steps=1)
+  stored = Engine(ahead.model, ahead.tokenizer, compute_dtype_weights=False, **kw)
+  held = Engine(ahead.model, ahead.tokenizer, **kw)
   bw = read_bandwidth(64 if quick else 512)
   rows = []
-  for name, engine in (("stored f32", stored), ("compute dtype", held)):
+  for name, engine in (("stored f32", stored), ("compute dtype", held),
+                       (f"+ {_STEPS.value} steps", ahead)):
     engine.start()
     try:
       decode_rate(engine, max(batches), prompt, 4, held.cfg.vocab_size)  # compiles every program
@@ -127,17 +132,19 @@ def main(argv) -> None:
       engine.stop()
   print(f"model {config.serving.model_name} (random weights), compute {held.cfg.dtype}, prompt {prompt}, "
         f"{new} new tokens; read bandwidth {bw / 1e9:.1f} GB/s")
-  print(f"{'weights':>14} {'batch':>5} {'tok/s':>8} {'roofline':>9} {'of roof':>8} {'MiB/step':>9}")
+  print(f"{'engine':>14} {'batch':>5} {'tok/s':>8} {'roofline':>9} {'of roof':>8} {'MiB/step':>9}")
   for r in rows:
     print(f"{r['weights']:>14} {r['batch']:>5} {r['tokens_per_s']:>8.1f} {r['roofline']:>9.1f} "
           f"{100 * r['fraction']:>7.1f}% {r['mib_per_step']:>9.1f}")
   by = {(r["weights"], r["batch"]): r for r in rows}
+
+  def ratio(a: str, b: str) -> dict[str, float]:
+    return {str(n): round(by[a, n]["tokens_per_s"] / by[b, n]["tokens_per_s"], 2) for n in batches}
   print(json.dumps({"model": config.serving.model_name, "read_gb_per_s": round(bw / 1e9, 2),
                     "tokens_per_s": {f"{w}/{b}": round(r["tokens_per_s"], 1) for (w, b), r in by.items()},
                     "roofline_fraction": {f"{w}/{b}": round(r["fraction"], 4) for (w, b), r in by.items()},
-                    "compute_dtype_over_stored": {str(b): round(by["compute dtype", b]["tokens_per_s"]
-                                                                / by["stored f32", b]["tokens_per_s"], 2)
-                                                  for b in batches}}))
+                    "compute_dtype_over_stored": ratio("compute dtype", "stored f32"),
+                    "run_ahead_over_one_step": ratio(f"+ {_STEPS.value} steps", "compute dtype")}))
 
 
 if __name__ == "__main__":

@@ -100,6 +100,10 @@ class _RecordingProcessor:
     self._pending = isinstance(constraint, (int, np.integer))
     return constraint
 
+  def free_run(self):
+    self._pending = False  # a free run's tokens are sampled, never forced
+    return self.inner.free_run()
+
   def feed(self, token_id: int):
     self.forced.append(self._pending)
     self._pending = False

@@ -1,0 +1,170 @@
+"""The engine's decode program: 1 to K decode + sample steps in one device call.
+
+A decode step feeds every decoding row its pending token and samples the next (serving/sampling.py:
+per-row keys from the seed and `n_generated`, counted on the device). One step per call costs a
+host sync and a Python pass over the rows per token; when no row needs the host between tokens
+(`run_ahead`), one call runs up to K = `decode_steps` steps in a `jax.lax.while_loop` and stops
+a row on the device when it samples one of its stop ids or reaches its token budget (min of
+max_tokens and the context left). The host then delivers each row's tokens through the engine's
+usual accept path, which reaches the same finish reasons at the same tokens.
+
+Every decode step the engine runs, one at a time or K at a time, goes through this one compiled
+program (fixed shapes; the step count is an argument), so a request's tokens and log-probs do not
+depend on how the engine happened to group its steps (XLA compiles the same maths differently in
+different programs: a separate one-step program differed in the last bit of some indexer keys).
+
+A row stops on the device at one of its stop ids (finished), at its token budget, or at a
+token its processor asked to see first (`FreeRun.pause_ids`: for the chat processor, the
+special tokens that change its phase); a paused row's last token stays pending, as after a
+one-step call. A processor that finishes its request on the host (a stop string) ends the row
+there and the row's later tokens of the run are dropped (computed, never delivered).
+
+Eligibility: `run_ahead`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from serving.batch import sampling_args
+from serving.sampling import sample_row
+from serving.types import FreeRun
+
+
+def compile_decode_loop(graphdef: nnx.GraphDef, steps: int) -> Callable:
+  """jit(decode_loop)(state, cache, tokens [S], active bool [S], budget int32 [S], stop bool [S, V],
+  temperature, top_k, top_p, mask bool [S, V], forced int32 [S], seed_lo, seed_hi, n_generated,
+  max_steps int32 []) -> (tokens int32 [S, K], logprobs f32 [S, K], counts int32 [S], routed int32
+  [S, K, moe layers, k] or None, cache), K = `steps`. At most max_steps <= K steps; row i produced
+  counts[i] tokens (its first counts[i] columns) and stops after one in its `stop` row or at its
+  budget; forced (>= 0) replaces a row's draw (one-step calls only); routed[i, j]: the experts of
+  the token fed at step j (the pending one, then each sampled one but the last). The decode state
+  is donated."""
+
+  def decode_loop(state, cache, tokens, active, budget, stop, temperature, top_k, top_p, mask, forced,
+                  seed_lo, seed_hi, n_generated, max_steps):
+    model = nnx.merge(graphdef, state)
+    s = tokens.shape[0]
+    rows = jnp.arange(s)
+    n_moe = sum(kind == "moe" for kind in model.cfg.ffn_kinds)
+
+    def body(carry):
+      i, cache, fed, live, count, out_t, out_lp, out_r = carry
+      logits, cache, routed = model.prefill(fed[:, None], live.astype(jnp.int32), cache,
+                                            return_routing=True)
+      new, lp = jax.vmap(sample_row)(logits[:, 0], temperature, top_k, top_p, mask, forced, seed_lo,
+                                     seed_hi, n_generated + count.astype(jnp.uint32))
+      out_t = out_t.at[:, i].set(jnp.where(live, new, -1))
+      out_lp = out_lp.at[:, i].set(jnp.where(live, lp, 0.0))
+      if n_moe:
+        out_r = out_r.at[:, i].set(routed[:, 0])
+      count = count + live.astype(jnp.int32)
+      stopped = stop[rows, new] | (count >= budget)
+      return i + 1, cache, jnp.where(live, new, fed), live & ~stopped, count, out_t, out_lp, out_r
+
+    def cond(carry):
+      return (carry[0] < jnp.minimum(max_steps, steps)) & jnp.any(carry[3])
+
+    routed0 = jnp.zeros((s, steps, n_moe, model.cfg.experts_per_token) if n_moe else (0,), jnp.int32)
+    init = (jnp.int32(0), cache, tokens, active & (budget > 0), jnp.zeros((s,), jnp.int32),
+            jnp.full((s, steps), -1, jnp.int32), jnp.zeros((s, steps), jnp.float32), routed0)
+    _, cache, _, _, count, out_t, out_lp, out_r = jax.lax.while_loop(cond, body, init)
+    return out_t, out_lp, count, (out_r if n_moe else None), cache
+
+  return jax.jit(decode_loop, donate_argnums=(1,))
+
+
+class Call(NamedTuple):
+  """One decode call's host inputs: program(state, cache, *head, mask, forced, *tail, max_steps)."""
+  head: tuple  # tokens, active, budget, stop [S, V]
+  sampling: tuple  # temperature, top_k, top_p
+  mask: np.ndarray | None  # bool [S, V]; None: no row constrained
+  forced: np.ndarray  # int32 [S], -1: none
+  tail: tuple  # seed_lo, seed_hi, n_generated
+  max_steps: int
+
+
+def _free_run(slot: Any) -> FreeRun | None:
+  proc = slot.processor
+  if proc is None:
+    return FreeRun(None, frozenset(), 1 << 30)
+  ask = getattr(proc, "free_run", None)
+  if ask is None:
+    return None
+  try:
+    return ask()
+  except Exception:  # the one-step path asks next_constraint and fails the row if that raises too
+    return None
+
+
+def run_ahead(rows: Sequence[Any], waiting: int, block: int | None, max_context: int, vocab_size: int,
+              steps: int) -> Call | None:
+  """A call of up to `steps` steps for the engine's rows, or None (a row needs the host each token).
+
+  Eligible: no request waiting for a slot and no row prefilling (either would wait K tokens), and
+  every decoding row's processor, if any, promising a free run of at least one token (`FreeRun`).
+  block: the prefix cache's block when it caches decoded blocks (it snapshots a row's state where
+  the row stands on a block's end), so a row's run stops at its next block end; None: no limit.
+  """
+  if waiting or steps < 2:
+    return None
+  runs: dict[int, FreeRun] = {}
+  for i, s in enumerate(rows):
+    if s is None:
+      continue
+    if s.pending is None or s.fed < len(s.prompt):
+      return None
+    run = _free_run(s)
+    if run is None or run.max_tokens < 1:
+      return None
+    runs[i] = run
+  if not runs:
+    return None
+  budget = {}
+  for i, run in runs.items():
+    s = rows[i]
+    budget[i] = min(run.max_tokens, row_budget(s.params.max_tokens, len(s.generated), len(s.prompt),
+                                               max_context))
+    if block:
+      budget[i] = min(budget[i], block - s.cache_len % block)
+  masks = {i: run.mask for i, run in runs.items() if run.mask is not None}
+  mask = None
+  if masks:
+    mask = np.ones((len(rows), vocab_size), bool)
+    for i, m in masks.items():
+      mask[i] = False
+      mask[i, :len(m)] = np.asarray(m, bool)
+  return _call(rows, budget, {i: run.pause_ids for i, run in runs.items()}, mask,
+               np.full(len(rows), -1, np.int32), vocab_size, steps)
+
+
+def one_step(rows: Sequence[Any], decoding: Sequence[int], mask: np.ndarray | None, forced: np.ndarray,
+             vocab_size: int) -> Call:
+  """A one-step call for rows `decoding` under the constraints the engine asked their processors
+  for (serving/batch.constraints: mask [S, V] or None, forced [S])."""
+  return _call(rows, {int(i): 1 for i in decoding}, {}, mask, forced, vocab_size, 1)
+
+
+def _call(rows, budget: dict[int, int], pauses: dict[int, frozenset[int]], mask, forced, vocab_size: int,
+          max_steps: int) -> Call:
+  n = len(rows)
+  tokens, budgets = np.zeros(n, np.int32), np.zeros(n, np.int32)
+  active, stop = np.zeros(n, bool), np.zeros((n, vocab_size), bool)
+  for i, b in budget.items():
+    s = rows[i]
+    tokens[i], active[i], budgets[i] = s.pending, True, b
+    stop[i, [t for t in s.stop_ids | pauses.get(i, frozenset()) if 0 <= t < vocab_size]] = True
+  temp, top_k, top_p, lo, hi, n_gen = sampling_args(rows, list(budget))
+  return Call((tokens, active, budgets, stop), (temp, top_k, top_p), mask, forced, (lo, hi, n_gen),
+              max_steps)
+
+
+def row_budget(max_tokens: int, generated: int, prompt: int, max_context: int) -> int:
+  """Tokens a row may still generate: the engine finishes it with "length" at the one that reaches
+  max_tokens or fills the context."""
+  return max(0, min(max_tokens - generated, max_context - prompt - generated))
