@@ -101,8 +101,9 @@ def compile_programs(graphdef: nnx.GraphDef) -> dict[str, Callable]:
   cache, routed [W, layers, k]): one chunk of one row (W: a prefill width); decode(state, cache,
   tokens [S], valid bool [S]) -> (logits [S, V], cache, routed [S, layers, k]); routed: the MoE
   experts of each fed token
-  (None without MoE layers); reset(cache, rows bool [S]) zeroes rows; encode(state, images
-  [1, H, W, C]) -> patches;
+  (None without MoE layers; the engine decodes through serving/decode_loop.py, the same maths in a
+  loop, and `decode` is what serving/weights.engine_castable traces); reset(cache, rows bool [S])
+  zeroes rows; encode(state, images [1, H, W, C]) -> patches;
   sample: serving.sampling.sample_rows. The decode state (prefill/decode argument 1, reset
   argument 0) is donated.
   """
