@@ -15,9 +15,10 @@ request, so one call each is enough):
 
   * text: `reset` (admission), `prefill` at each of its widths (a whole chunk,
     then a last chunk of each width: `Engine.prefill_buckets`; the second call
-    sees the decode state the first one wrote), `decode` and `sample`; with the
-    prefix cache, its copies out of a row (the first requests) and into one
-    (the steady-state request, which finds the first one's prompt cached);
+    sees the decode state the first one wrote), `decode_loop` (one program
+    whatever the steps per call) and `sample`; with the prefix cache, its
+    copies out of a row (the first requests) and into one (the steady-state
+    request, which finds the first one's prompt cached);
   * images (models with vision only): `encode`, and a prefill chunk that
     carries image patches (same program, other inputs);
   * a forced tool call: `sample` with a constraint mask, and the host-side
@@ -127,7 +128,7 @@ class Warmup:
       self._done.set()
 
   def _phases(self) -> list[tuple[str, Callable[[], None]]]:
-    phases = [("text request: compiling reset, prefill, decode and sample", self._text),
+    phases = [("text request: compiling reset, prefill, decode_loop and sample", self._text),
               ("forced tool call: constraint masks", self._tool_call)]
     vision = self.ctx.model_cfg.vision
     if vision is not None and vision.enabled:
