@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 from serving.batch import sampling_args
-from serving.sampling import sample_row
+from serving.sampling import sample_batch
 from serving.types import FreeRun
 
 
@@ -57,8 +57,8 @@ def compile_decode_loop(graphdef: nnx.GraphDef, steps: int) -> Callable:
       i, cache, fed, live, count, out_t, out_lp, out_r = carry
       logits, cache, routed = model.prefill(fed[:, None], live.astype(jnp.int32), cache,
                                             return_routing=True)
-      new, lp = jax.vmap(sample_row)(logits[:, 0], temperature, top_k, top_p, mask, forced, seed_lo,
-                                     seed_hi, n_generated + count.astype(jnp.uint32))
+      new, lp = sample_batch(logits[:, 0], temperature, top_k, top_p, mask, forced, seed_lo, seed_hi,
+                             n_generated + count.astype(jnp.uint32))
       out_t = out_t.at[:, i].set(jnp.where(live, new, -1))
       out_lp = out_lp.at[:, i].set(jnp.where(live, lp, 0.0))
       if n_moe:

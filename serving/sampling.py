@@ -13,6 +13,8 @@ Shapes: S rows, V vocab.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -24,7 +26,8 @@ def request_key(seed_lo, seed_hi, n_generated):
   return jax.random.fold_in(jax.random.fold_in(key, 0), n_generated)
 
 
-def sample_row(logits, temperature, top_k, top_p, mask, forced, seed_lo, seed_hi, n_generated):
+def sample_row(logits, temperature, top_k, top_p, mask, forced, seed_lo, seed_hi, n_generated,
+               filters: bool = True):
   """Samples one row: logits [V] -> (token int32 [], logprob f32 []).
 
   Args:
@@ -36,6 +39,8 @@ def sample_row(logits, temperature, top_k, top_p, mask, forced, seed_lo, seed_hi
     forced: [] a token that bypasses sampling, or -1.
     seed_lo, seed_hi: uint32 [] the request seed's low and high 32-bit words.
     n_generated: uint32 [] tokens the request has generated so far.
+    filters: False leaves out the top-k and top-p code (two sorts of the vocabulary), for rows
+      whose top_k is 0 and top_p 1: those filters keep every token, so the result is the same.
 
   Returns:
     The token and its log-probability under the raw logits (temperature 1, no
@@ -47,20 +52,33 @@ def sample_row(logits, temperature, top_k, top_p, mask, forced, seed_lo, seed_hi
   x = jnp.where(mask, logits, -jnp.inf)
   greedy = jnp.argmax(x)
   x = x / jnp.where(temperature > 0, temperature, 1.0)
-  desc = jnp.sort(x)[::-1]
-  k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-  x = jnp.where(x >= desc[k - 1], x, -jnp.inf)  # top-k (ties at the k-th value are kept)
-  p = jax.nn.softmax(x)
-  p_desc = jnp.sort(p)[::-1]
-  before = jnp.cumsum(p_desc) - p_desc  # mass of strictly more probable tokens
-  n_keep = jnp.where(top_p >= 1, vocab, jnp.maximum(jnp.sum(before < top_p), 1))
-  x = jnp.where(p >= p_desc[n_keep - 1], x, -jnp.inf)  # top-p (nucleus)
+  if filters:
+    desc = jnp.sort(x)[::-1]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    x = jnp.where(x >= desc[k - 1], x, -jnp.inf)  # top-k (ties at the k-th value are kept)
+    p = jax.nn.softmax(x)
+    p_desc = jnp.sort(p)[::-1]
+    before = jnp.cumsum(p_desc) - p_desc  # mass of strictly more probable tokens
+    n_keep = jnp.where(top_p >= 1, vocab, jnp.maximum(jnp.sum(before < top_p), 1))
+    x = jnp.where(p >= p_desc[n_keep - 1], x, -jnp.inf)  # top-p (nucleus)
   drawn = jax.random.categorical(request_key(seed_lo, seed_hi, n_generated), x)
   token = jnp.where(forced >= 0, forced, jnp.where(temperature > 0, drawn, greedy))
   return token.astype(jnp.int32), logprobs[token]
 
 
+def sample_batch(logits, temperature, top_k, top_p, *row_args):
+  """`sample_row` over the rows of logits [S, V] -> tokens [S], logprobs [S].
+
+  The top-k/top-p sorts (two per row, most of the cost at S = 16, V = 8192 on CPU) run only when
+  some sampled row asks for a filter (`lax.cond` on the whole batch); rows that ask for none get
+  the same tokens and log-probs either way, so no row depends on what the others asked for.
+  """
+  needed = jnp.any((temperature > 0) & ((top_k > 0) | (top_p < 1)))
+  args = (logits, temperature, top_k, top_p, *row_args)
+  return jax.lax.cond(needed, lambda a: jax.vmap(sample_row)(*a),
+                      lambda a: jax.vmap(functools.partial(sample_row, filters=False))(*a), args)
+
+
 def sample_rows(prefill_logits, decode_logits, from_prefill, *row_args):
   """[S, V] logits (each row from the prefill or the decode call) -> tokens [S], logprobs [S]."""
-  logits = jnp.where(from_prefill[:, None], prefill_logits, decode_logits)
-  return jax.vmap(sample_row)(logits, *row_args)
+  return sample_batch(jnp.where(from_prefill[:, None], prefill_logits, decode_logits), *row_args)

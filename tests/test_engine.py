@@ -194,6 +194,32 @@ def test_sampler_matches_filtered_distribution():
     assert np.asarray(tokens).tolist() == want
 
 
+def test_sample_batch_skips_unused_filters_without_changing_rows():
+  from serving.sampling import sample_batch, sample_row
+  rng = np.random.default_rng(6)
+  S, V = 6, 37
+  logits = jnp.asarray(rng.normal(size=(S, V)).astype(np.float32) * 3)
+  mask = np.ones((S, V), bool)
+  mask[1, :5] = False
+  rest = (mask, np.array([-1, -1, 4, -1, -1, -1], np.int32), np.arange(S, dtype=np.uint32),
+          np.zeros(S, np.uint32), np.arange(S, dtype=np.uint32) * 3)
+  temp = np.array([0.0, 0.8, 1.0, 1.3, 0.5, 1.0], np.float32)
+  batch = jax.jit(sample_batch)
+  rows = jax.jit(jax.vmap(sample_row))
+  plain = (np.zeros(S, np.int32), np.ones(S, np.float32))  # no row filters: the sort-free branch
+  some = (np.array([0, 0, 0, 5, 0, 0], np.int32), np.array([1, 1, 1, 1, 0.7, 1], np.float32))
+  for top_k, top_p in (plain, some):
+    got = batch(logits, temp, top_k, top_p, *rest)
+    want = rows(logits, temp, top_k, top_p, *rest)
+    for g, w in zip(got, want, strict=True):
+      np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+  # Rows without filters draw the same whichever branch their batch took.
+  a = batch(logits, temp, *plain, *rest)
+  b = batch(logits, temp, *some, *rest)
+  for i in (0, 1, 2, 5):
+    assert int(a[0][i]) == int(b[0][i]) and float(a[1][i]) == float(b[1][i])
+
+
 class _Scripted:
   """Forces `force` first, then allows only `allowed` ids, ends with `reason` after `n` tokens."""
 
