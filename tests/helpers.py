@@ -15,12 +15,15 @@ CACHE_MAX_BYTES = 8 << 30
 
 
 def compile_cache_dir() -> str:
-  """The suite's persistent compile cache: $HORIZON_JAX_CACHE (default /tmp/horizon_jax_cache), one
-  sub-folder per jaxlib version and CPU model + feature flags.
+  """The persistent compile cache of the tests' child processes: $HORIZON_JAX_CACHE (default
+  /tmp/horizon_jax_cache), one sub-folder per jaxlib version and CPU model + feature flags.
 
   jax keys an entry by program, jaxlib, XLA flags and device kind ("cpu"), not by the host's
-  instruction set; an XLA:CPU executable written on another CPU model fails the loader's machine
-  check and aborts the process (a CI run on a shared /tmp died so, in test_overfit).
+  instruction set, and an XLA:CPU executable written on another CPU model fails the loader's
+  machine check. The test processes themselves use no persistent cache (tests/conftest.py): a
+  worker aborted in `deserialize_executable` in four suite runs over two sessions (test_overfit,
+  test_train_step, test_bench_prefix_cache; on this machine too, so not only another CPU's
+  entries), and the cause is not found.
   """
   import hashlib
   import os
