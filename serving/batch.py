@@ -98,14 +98,11 @@ def compile_programs(graphdef: nnx.GraphDef) -> dict[str, Callable]:
   """The engine's jitted programs (pure; the model enters as graphdef + state).
 
   prefill(state, cache, row, tokens [1, W], length [1], image_embeds [1, W, d]) -> (last logits [V],
-  cache, routed [W, layers, k]): one chunk of one row (W: a prefill width); decode(state, cache,
-  tokens [S], valid bool [S]) -> (logits [S, V], cache, routed [S, layers, k]); routed: the MoE
-  experts of each fed token
-  (None without MoE layers; the engine decodes through serving/decode_loop.py, the same maths in a
-  loop, and `decode` is what serving/weights.engine_castable traces); reset(cache, rows bool [S])
-  zeroes rows; encode(state, images [1, H, W, C]) -> patches;
-  sample: serving.sampling.sample_rows. The decode state (prefill/decode argument 1, reset
-  argument 0) is donated.
+  cache, routed [W, layers, k]): one chunk of one row (W: a prefill width); routed: the MoE experts of
+  each fed token (None without MoE layers); reset(cache, rows bool [S]) zeroes rows; encode(state,
+  images [1, H, W, C]) -> patches; sample: serving.sampling.sample_rows (a prefilled row's first
+  token). Decoding runs in serving/decode_loop.py's program. The decode state (prefill argument 1,
+  reset argument 0) is donated.
   """
 
   def prefill(state, cache, row, tokens, length, image_embeds):
@@ -119,19 +116,10 @@ def compile_programs(graphdef: nnx.GraphDef) -> dict[str, Callable]:
     cache = jax.tree.map(lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b, row, axis=0), cache, sub)
     return logits[0, jnp.maximum(length[0] - 1, 0)], cache, (None if routed is None else routed[0])
 
-  def decode(state, cache, tokens, valid):
-    # decode_step's maths (a one-token prefill) with a valid mask instead of all-ones, so rows
-    # that are idle or still prefilling are left untouched.
-    model = nnx.merge(graphdef, state)
-    logits, cache, routed = model.prefill(tokens[:, None], valid.astype(jnp.int32), cache,
-                                          return_routing=True)
-    return logits[:, 0], cache, (None if routed is None else routed[:, 0])
-
   def encode(state, images):
     return nnx.merge(graphdef, state).encode_images(images)
 
   return {"prefill": jax.jit(prefill, donate_argnums=(1,)),
-          "decode": jax.jit(decode, donate_argnums=(1,)),
           "reset": jax.jit(reset_cache_rows, donate_argnums=(0,)),
           "encode": jax.jit(encode),
           "sample": jax.jit(sample_rows)}

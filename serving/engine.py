@@ -98,8 +98,8 @@ class Engine:
     self.default_stop_ids = (tokenizer.eos_id, tokenizer.special_id("end_of_turn"))
     self.metrics = EngineMetrics(slots, max_context)
     self._graphdef, state = nnx.split(model)
-    self._fns = batch.compile_programs(self._graphdef)
-    self._fns["decode_loop"] = decode_loop.compile_decode_loop(self._graphdef, decode_steps)
+    self._fns = {**batch.compile_programs(self._graphdef),
+                 "decode_loop": decode_loop.compile_decode_loop(self._graphdef, decode_steps)}
     self._cache = model.init_cache(slots, max_context)
     self._castable = (engine_castable(self._fns, state, self._cache, cfg, prefill_chunk, slots,
                                       has_vision=model.vision is not None)
@@ -450,8 +450,8 @@ class Engine:
         _log.exception("processor.feed failed for %s", s.handle.id)
         deltas, reason = [], "error"
     n = len(s.generated)
-    if reason is None and (n >= s.params.max_tokens or len(s.prompt) + n >= self.max_context):
-      reason = "length"
+    if reason is None and not decode_loop.row_budget(s.params.max_tokens, n, len(s.prompt), self.max_context):
+      reason = "length"  # the rule run_ahead budgets by
     if reason is None:
       s.pending = token
       s.handle._deliver(Event([token], deltas, None, None, time.time(), [logprob]))

@@ -8,7 +8,7 @@ converts those weights once, at load and at every `update_weights`.
 
 Which weights: exactly those whose every use in the engine's programs is a conversion to
 the compute dtype. They are found by tracing the programs (`jax.make_jaxpr`) and following
-each weight through nested calls (`jit`, `custom_vjp`, `checkpoint`, `scan` bodies, ...):
+each weight through nested calls (`jit`, `custom_vjp`, `checkpoint`, `scan` and `while` bodies, ...):
 a weight that is also used in f32 (norm scales, the delta rule's gates, the router, the
 conv taps), returned, or passed to a construct the walk does not follow stays as stored.
 Converting x to bf16 once or at every use gives the same bits, so the programs compute
@@ -58,6 +58,9 @@ def _walk(jaxpr: Any, dtype: Any) -> tuple[list[bool], list[int | None]]:
     if name in _MOVES and [pos for pos, _ in uses] == [0]:
       root[id(eqn.outvars[0])] = root[id(eqn.invars[0])]
       continue
+    if name == "while":
+      _walk_while(eqn, uses, ok, root, dtype)
+      continue
     nested = _nested(eqn)
     if len(nested) != 1:  # a primitive that computes with it, or a construct not followed
       for _, v in uses:
@@ -71,6 +74,18 @@ def _walk(jaxpr: Any, dtype: Any) -> tuple[list[bool], list[int | None]]:
         if a is not None and id(eqn.invars[a]) in root:
           root[id(out)] = root[id(eqn.invars[a])]
   return ok, [root.get(id(v)) for v in jaxpr.outvars]
+
+
+def _walk_while(eqn: Any, uses: list, ok: list[bool], root: dict, dtype: Any) -> None:
+  """A `while` loop (the engine's decode loop): its inputs are cond consts, body consts, carry. A
+  weight entering as a body or cond const is followed into that body; one in the carry (it would
+  flow around the loop and out) counts as a use that computes with it."""
+  nc, nb = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+  body_ok, _ = _walk(eqn.params["body_jaxpr"].jaxpr, dtype)
+  cond_ok, _ = _walk(eqn.params["cond_jaxpr"].jaxpr, dtype)
+  for pos, v in uses:
+    inner = cond_ok[pos] if pos < nc else body_ok[pos - nc] if pos < nc + nb else False
+    ok[root[id(v)]] = ok[root[id(v)]] and inner
 
 
 def _castable(jaxpr: Any, dtype: Any) -> list[bool]:
@@ -103,7 +118,7 @@ def compute_dtype_state(state: Any, castable: Sequence[bool], dtype: Any) -> Any
 
 def engine_castable(fns: Mapping[str, Any], state: Any, cache: Any, cfg: Any, prefill_chunk: int,
                     slots: int, has_vision: bool) -> list[bool] | None:
-  """Per leaf of `state`: do all of the engine's programs `fns` (prefill, decode, and the vision
+  """Per leaf of `state`: do all of the engine's programs `fns` (prefill, decode_loop, and the vision
   encoder when the model has one) only convert it to the compute dtype? None when every leaf
   already is in that dtype. cache: the engine's decode state; prefill_chunk, slots: its program
   shapes."""
@@ -114,9 +129,16 @@ def engine_castable(fns: Mapping[str, Any], state: Any, cache: Any, cfg: Any, pr
   st, cache = jax.tree.map(spec, state), jax.tree.map(spec, cache)
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
   c = prefill_chunk
+  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+  u32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.uint32)  # noqa: E731
+  mask = jax.ShapeDtypeStruct((slots, cfg.vocab_size), bool)
+  # decode_loop's arguments (serving/decode_loop.compile_decode_loop): tokens, active, budget, stop,
+  # temperature, top_k, top_p, mask, forced, seed_lo, seed_hi, n_generated, max_steps.
+  loop_args = (i32(slots), jax.ShapeDtypeStruct((slots,), bool), i32(slots), mask, f32(slots), i32(slots),
+               f32(slots), mask, i32(slots), u32(slots), u32(slots), u32(slots), i32())
   programs = [(fns["prefill"], (st, cache, i32(), i32(1, c), i32(1),
                                 jax.ShapeDtypeStruct((1, c, cfg.d_model), dtype))),
-              (fns["decode"], (st, cache, i32(slots), jax.ShapeDtypeStruct((slots,), bool)))]
+              (fns["decode_loop"], (st, cache, *loop_args))]
   if has_vision:
     v = cfg.vision
     shape = (1, v.image_size, v.image_size, v.num_channels)

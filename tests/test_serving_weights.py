@@ -33,6 +33,24 @@ def test_castable_follows_conversions_nested_calls_and_moves():
     compute_dtype_state(ws, flags[:2], jnp.bfloat16)
 
 
+def test_castable_follows_while_loop_bodies():
+  def f(ws, x):
+    def body(carry):
+      i, y, c = carry
+      y = y @ ws["a"].astype(jnp.bfloat16)  # a body const converted: castable
+      y = y + (ws["b"][0, 0] * 2).astype(jnp.bfloat16)  # computed with in f32 first: not castable
+      return i + 1, y, c * 2  # c rides in the carry: not castable
+
+    def cond(carry):
+      return carry[0] < (ws["d"][0, 0] > 0).astype(jnp.int32) + 2  # a cond const compared in f32
+
+    return jax.lax.while_loop(cond, body, (0, x, ws["c"]))[1]
+
+  ws = {k: jnp.ones((2, 2), jnp.float32) for k in "abcd"}
+  flags = castable_inputs(f, (ws, jnp.ones((3, 2), jnp.bfloat16)), jnp.bfloat16)
+  assert dict(zip(sorted(ws), flags, strict=True)) == {"a": True, "b": False, "c": False, "d": False}
+
+
 @pytest.fixture(scope="module")
 def bf16_model():
   from configs import serve
