@@ -6,8 +6,8 @@ import numpy as np
 
 from training.tolerance import RTOL, assert_close, rel_err
 
-__all__ = ["RTOL", "assert_close", "compile_cache_env", "drive_processor", "kill_once_saved", "model_like",
-           "rel_err", "subprocess_env", "text_tokens"]
+__all__ = ["RTOL", "assert_close", "child_xla_flags", "compile_cache_env", "drive_processor",
+           "kill_once_saved", "model_like", "rel_err", "subprocess_env", "text_tokens"]
 
 # The persistent compile cache's size cap: jax evicts least-recently-used entries past it (under a
 # file lock shared by the processes using the folder), so /tmp does not grow run after run.
@@ -48,6 +48,17 @@ def compile_cache_env() -> dict:
           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5"}
 
 
+def child_xla_flags(devices: int) -> str:
+  """A child JAX process's XLA_FLAGS: the test process's own (tests/conftest.py: its backend
+  optimisation level), with `devices` fake CPU devices. A child compiles as its test process does,
+  so values computed on both sides (a checkpoint's random weights, a reference loss) agree bit for
+  bit: jax.random.normal's bits depend on the level."""
+  import os
+  flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+           if not f.startswith("--xla_force_host_platform_device_count")]
+  return " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
+
+
 def subprocess_env(devices: int) -> dict:
   """Environment for a test's child JAX process: CPU with `devices` devices, the suite's compile cache.
 
@@ -56,7 +67,7 @@ def subprocess_env(devices: int) -> dict:
   """
   import os
   env = dict(os.environ)
-  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+  env["XLA_FLAGS"] = child_xla_flags(devices)
   env["JAX_PLATFORMS"] = "cpu"
   env.update(compile_cache_env())
   for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):

@@ -30,6 +30,7 @@ from sharding import mesh as mesh_lib
 from sharding import rules as rules_lib
 from sharding.state import create_sharded_model, shard_model
 from tests._checkpoint_child import Small, small_values
+from tests.helpers import child_xla_flags
 from training import byte_corpus
 from training import checkpoint as ck
 from training.train_step import TrainConfig, jit_train_step, make_optimizer
@@ -260,7 +261,7 @@ def test_no_local_only_file_calls():
 
 def _env(devices):
   env = dict(os.environ)
-  env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+  env.update(XLA_FLAGS=child_xla_flags(devices), JAX_PLATFORMS="cpu")
   for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
     env.pop(k, None)
   return env

@@ -15,19 +15,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import child_xla_flags
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
 def test_tiny_answers_colour_questions_above_chance():
-  env = dict(os.environ)
-  # one CPU device: drop the fake-device flag (conftest may have added it more than once under xdist)
-  flags_ = [f for f in env.get("XLA_FLAGS", "").split()
-            if not f.startswith("--xla_force_host_platform_device_count")]
-  if flags_:
-    env["XLA_FLAGS"] = " ".join(flags_)
-  else:
-    env.pop("XLA_FLAGS", None)
+  env = dict(os.environ, XLA_FLAGS=child_xla_flags(1))  # one CPU device
   proc = subprocess.run(
       [sys.executable, "-m", "experiments.shapes_vqa", "--config=configs/horizon.py:tiny",
        "--eval_examples=400"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
