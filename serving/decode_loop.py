@@ -79,6 +79,18 @@ def compile_decode_loop(graphdef: nnx.GraphDef, steps: int) -> Callable:
   return jax.jit(decode_loop, donate_argnums=(1,))
 
 
+def input_specs(slots: int, vocab_size: int) -> tuple:
+  """jax.ShapeDtypeStruct of each argument after (state, cache) of compile_decode_loop's program, in
+  order (serving/weights.engine_castable traces the program with them)."""
+  spec = jax.ShapeDtypeStruct
+  i32, f32, u32, b = ((slots,), jnp.int32), ((slots,), jnp.float32), ((slots,), jnp.uint32), ((slots,), bool)
+  table = ((slots, vocab_size), bool)
+  # tokens, active, budget, stop, temperature, top_k, top_p, mask, forced, seed_lo, seed_hi,
+  # n_generated, max_steps
+  return tuple(spec(*a) for a in (i32, b, i32, table, f32, i32, f32, table, i32, u32, u32, u32,
+                                  ((), jnp.int32)))
+
+
 class Call(NamedTuple):
   """One decode call's host inputs: program(state, cache, *head, mask, forced, *tail, max_steps)."""
   head: tuple  # tokens, active, budget, stop [S, V]

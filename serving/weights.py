@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from serving import decode_loop
+
 __all__ = ["castable_inputs", "compute_dtype_state", "engine_castable"]
 
 
@@ -129,16 +131,9 @@ def engine_castable(fns: Mapping[str, Any], state: Any, cache: Any, cfg: Any, pr
   st, cache = jax.tree.map(spec, state), jax.tree.map(spec, cache)
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
   c = prefill_chunk
-  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
-  u32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.uint32)  # noqa: E731
-  mask = jax.ShapeDtypeStruct((slots, cfg.vocab_size), bool)
-  # decode_loop's arguments (serving/decode_loop.compile_decode_loop): tokens, active, budget, stop,
-  # temperature, top_k, top_p, mask, forced, seed_lo, seed_hi, n_generated, max_steps.
-  loop_args = (i32(slots), jax.ShapeDtypeStruct((slots,), bool), i32(slots), mask, f32(slots), i32(slots),
-               f32(slots), mask, i32(slots), u32(slots), u32(slots), u32(slots), i32())
   programs = [(fns["prefill"], (st, cache, i32(), i32(1, c), i32(1),
                                 jax.ShapeDtypeStruct((1, c, cfg.d_model), dtype))),
-              (fns["decode_loop"], (st, cache, *loop_args))]
+              (fns["decode_loop"], (st, cache, *decode_loop.input_specs(slots, cfg.vocab_size)))]
   if has_vision:
     v = cfg.vision
     shape = (1, v.image_size, v.image_size, v.num_channels)

@@ -236,6 +236,10 @@ def test_run_ahead_inputs():
   lo, hi, n_gen = c.tail
   assert lo[0] == 7 and hi[0] == 2**8 and n_gen.tolist() == [1, 0, 2] and n_gen.dtype == np.uint32
   assert temp[0] == np.float32(0.5) and top_k[2] == 3 and top_p[0] == np.float32(0.8)
+  # The engine's argument order (Engine._decode) matches the specs serving/weights traces with.
+  args = (*c.head, *c.sampling, c.mask, c.forced, *c.tail, np.int32(c.max_steps))
+  specs = decode_loop.input_specs(3, 16)
+  assert [(a.shape, np.dtype(a.dtype)) for a in args] == [(x.shape, np.dtype(x.dtype)) for x in specs]
 
 
 def test_one_step_inputs():

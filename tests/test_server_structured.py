@@ -47,14 +47,14 @@ def test_response_format_json_schema(oai):
   content, _, calls, finish, _, _ = _assemble(oai.chat.completions.create(seed=2, stream=True, **kw))
   assert (content, calls, finish) == (r.choices[0].message.content, {}, "stop")
   text = oai.chat.completions.create(model=MODEL, messages=_user("Answer in JSON."), seed=2,
-                                        max_completion_tokens=12, response_format={"type": "text"})
+                                     max_completion_tokens=12, response_format={"type": "text"})
   assert text.choices[0].message.content != r.choices[0].message.content  # text: unconstrained
 
 
 def test_response_format_json_object(oai):
   for seed in range(3):
     r = oai.chat.completions.create(model=MODEL, messages=_user("JSON please."), seed=seed,
-                                       response_format={"type": "json_object"}, max_completion_tokens=120)
+                                    response_format={"type": "json_object"}, max_completion_tokens=120)
     content, finish = r.choices[0].message.content, r.choices[0].finish_reason
     assert content.startswith("{")
     if finish == "stop":
@@ -71,13 +71,13 @@ def test_strict_and_forced_tool_arguments_follow_the_schema(oai):
   strict = {"type": "function", "function": {"name": "g", "strict": True, "parameters": params}}
   for seed in range(3):
     r = oai.chat.completions.create(model=MODEL, messages=_user("Call g."), tools=[strict], seed=seed,
-                                       tool_choice="required", max_completion_tokens=56,
-                                       reasoning_effort="none")
+                                    tool_choice="required", max_completion_tokens=56, reasoning_effort="none")
     (call,) = r.choices[0].message.tool_calls
     assert call.function.name == "g" and r.choices[0].finish_reason == "tool_calls"
     jsonschema.validate(json.loads(call.function.arguments), {**params, "additionalProperties": False})
 
 
+# a schema the server rejects (uniqueItems), in both APIs
 BAD = {"type": "object", "properties": {"s": {"type": "array", "uniqueItems": True}}}
 
 
@@ -110,7 +110,6 @@ def test_structured_output_errors_name_the_field(oai, kw, param):
 FORMAT_SCHEMA = {"type": "object", "properties": {"c": {"type": "string", "pattern": "^[a-z]{1,3}$"},
                                                   "n": {"type": "integer", "minimum": 1, "maximum": 9}},
                  "required": ["c", "n"]}
-BAD_SCHEMA = {"type": "object", "properties": {"s": {"type": "array", "uniqueItems": True}}}
 
 
 def test_parse_structured_outputs(serve_config):
@@ -124,10 +123,10 @@ def test_parse_structured_outputs(serve_config):
 
 
 @pytest.mark.parametrize("kw, needle", [
-    (dict(tools=[{**TOOLS[0], "input_schema": BAD_SCHEMA, "strict": True}]), "tools.0.input_schema: "),
-    (dict(tools=[{**TOOLS[0], "input_schema": BAD_SCHEMA}], tool_choice={"type": "any"}),
+    (dict(tools=[{**TOOLS[0], "input_schema": BAD, "strict": True}]), "tools.0.input_schema: "),
+    (dict(tools=[{**TOOLS[0], "input_schema": BAD}], tool_choice={"type": "any"}),
      "tools.0.input_schema: "),
-    (dict(output_config={"format": {"type": "json_schema", "schema": BAD_SCHEMA}}),
+    (dict(output_config={"format": {"type": "json_schema", "schema": BAD}}),
      "output_config.format.schema: "),
     (dict(output_config={"format": {"type": "json_schema", "schema": {"type": "strng"}}}),
      "output_config.format.schema: "),
