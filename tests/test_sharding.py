@@ -19,6 +19,7 @@ from sharding import mesh as mesh_lib
 from sharding import rules as rules_lib
 from sharding.state import create_sharded_model
 from tests.helpers import assert_close
+from training.train_step import TrainConfig, make_train_state
 
 MESHES = [(8, 1, 1, 1), (1, 8, 1, 1), (2, 1, 4, 1), (1, 1, 8, 1), (1, 2, 2, 2), (2, 2, 2, 1)]
 
@@ -123,6 +124,20 @@ def test_sharded_init_layout_and_optimizer_state(cfg):
   opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
   mus = [x for x in jax.tree.leaves(opt.opt_state) if getattr(x, "shape", None) == w.shape]
   assert mus and all(m.sharding.spec == w.sharding.spec for m in mus)
+  # So do the train step's (training/leaf_groups.py: stacked per role for the update, kept per leaf).
+  opt = make_train_state(model, TrainConfig.from_config(horizon.get_config("tiny").train))
+  params = {jax.tree_util.keystr(p): x
+            for p, x in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))}
+  moments = {}
+  for p, x in jax.tree_util.tree_leaves_with_path(nnx.state(opt)):
+    key = jax.tree_util.keystr(p)
+    for name in ("['mu']", "['nu']"):
+      if name in key:
+        want = params[key.split(name, 1)[1]]
+        moments[key] = (x.sharding.is_equivalent_to(want.sharding, want.ndim), x.sharding.spec,
+                        want.sharding.spec)
+  assert len(moments) == 2 * len(params)
+  assert all(same for same, _, _ in moments.values()), {k: v for k, v in moments.items() if not v[0]}
 
 
 # ---- the model on every mesh ------------------------------------------------------------

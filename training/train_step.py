@@ -51,6 +51,7 @@ from flax import nnx
 
 from model.attention.dsa import GatedDSA
 from model.moe import find_moe_modules, update_router_biases
+from training import leaf_groups
 
 BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids")
 
@@ -117,11 +118,16 @@ def decay_mask(params: Any) -> Any:
 
 
 def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
-  """Global-norm clipping, then AdamW with the warm-up + cosine schedule; skips non-finite updates."""
-  return optax.apply_if_finite(optax.chain(
+  """Global-norm clipping, then AdamW with the warm-up + cosine schedule; skips non-finite updates.
+
+  Runs on same-role leaves of all layers stacked together (training/leaf_groups.py), so the
+  optimizer compiles once per parameter role, not once per layer; its state is kept per leaf.
+  """
+  return leaf_groups.grouped(optax.apply_if_finite(optax.chain(
       optax.clip_by_global_norm(tc.grad_clip),
       optax.adamw(learning_rate_schedule(tc), b1=tc.b1, b2=tc.b2, eps=tc.eps,
-                  weight_decay=tc.weight_decay, mask=decay_mask)), max_consecutive_errors=1 << 30)
+                  weight_decay=tc.weight_decay, mask=leaf_groups.grouped_mask(decay_mask))),
+      max_consecutive_errors=1 << 30))
 
 
 def _is_indexer_param(path, value) -> bool:
@@ -229,12 +235,10 @@ def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: Mapping[str, 
   """
   grads, metrics = _grads(model, batch, tc, optimizer.wrt)
   metrics["ce"] = metrics.pop("ce_sum") / jnp.maximum(metrics["tokens"], 1.0)
-  leaves = jax.tree.leaves(grads)
-  metrics["grad_finite"] = jnp.stack([jnp.all(jnp.isfinite(g)) for g in leaves])
-  metrics["param_finite"] = jnp.stack([jnp.all(jnp.isfinite(p))
-                                      for p in jax.tree.leaves(nnx.state(model, optimizer.wrt))])
+  # Per-leaf checks run group by group (training/leaf_groups.py): one reduction per role.
+  metrics["grad_finite"], metrics["grad_norm"] = leaf_groups.finite_and_norm(grads)
+  metrics["param_finite"] = leaf_groups.all_finite_per_leaf(nnx.state(model, optimizer.wrt))
   metrics["finite"] = jnp.isfinite(metrics["loss"]) & jnp.all(metrics["grad_finite"])
-  metrics["grad_norm"] = optax.tree.norm(grads)
   metrics["learning_rate"] = learning_rate_schedule(tc)(_applied_updates(optimizer))
   optimizer.update(model, grads)  # apply_if_finite: a no-op on non-finite gradients
   if "load" in metrics:

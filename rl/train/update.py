@@ -13,11 +13,11 @@ from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
 from model.moe import find_moe_modules, update_router_biases
 from rl.train import objectives as obj_lib
+from training import leaf_groups
 from training.train_step import TrainConfig, learning_rate_schedule
 
 
@@ -81,8 +81,9 @@ def micro_grads(model: nnx.Module, optimizer: nnx.Optimizer, batch: Mapping[str,
 @nnx.jit(static_argnames=("tc",), donate_argnums=(2,))
 def apply_grads(model: nnx.Module, optimizer: nnx.Optimizer, grads, load, tc: TrainConfig) -> dict:
   """One optimizer update (skipped, weights untouched, when gradients are not finite)."""
-  finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
-  metrics = {"grad_norm": optax.tree.norm(grads), "finite": finite,
+  leaf_finite, grad_norm = leaf_groups.finite_and_norm(grads)  # one check per parameter role
+  finite = jnp.all(leaf_finite)
+  metrics = {"grad_norm": grad_norm, "finite": finite,
              "learning_rate": learning_rate_schedule(tc)(optimizer.step[...])}
   optimizer.update(model, grads)
   if load is not None:
