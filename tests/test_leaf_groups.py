@@ -14,6 +14,7 @@ from configs import horizon
 from model.config import ModelConfig
 from model.decoder import Horizon
 from tests.helpers import assert_close
+from training import byte_corpus
 from training import leaf_groups as lg
 from training import train_step as ts
 
@@ -90,6 +91,14 @@ def test_grouped_adamw_equals_plain_adamw(clip):
     params = optax.apply_updates(params, u_plain)
 
 
+def test_grouped_passes_a_bare_array_through():
+  x = jnp.asarray(np.random.default_rng(0).standard_normal(7), jnp.float32)
+  plain, grouped = optax.adam(1e-2), lg.grouped(optax.adam(1e-2))
+  u_plain, _ = plain.update(x, plain.init(x), x)
+  u_grouped, _ = grouped.update(x, grouped.init(x), x)
+  np.testing.assert_array_equal(u_grouped, u_plain)
+
+
 def test_grouped_mask_sees_leaf_shapes():
   """The wrapped mask sees shapes without the stack axis: 1-D scales are not decayed, matrices are."""
   groups = {"a:float32[3]": jnp.ones((4, 3)), "b:float32[5, 3]": jnp.ones((3, 5, 3))}
@@ -97,24 +106,28 @@ def test_grouped_mask_sees_leaf_shapes():
 
 
 def test_train_step_on_a_repeating_stack_matches_the_plain_optimizer():
-  """tiny with 6 layers (layers of a kind share groups): one jitted step through make_train_state
-  gives the weights, moments and per-leaf checks of an nnx.Optimizer with the ungrouped optax chain.
+  """tiny with 6 layers (layers of a kind share groups): one jitted step with
+  config.train.group_leaves gives the weights, moments and per-leaf checks of the step without.
   Not bitwise: the two programs differ, and XLA fuses some gradient reductions differently when
   their result feeds a stack (measured: the delta layers' conv_w gradients, ~1e-7 relative);
   given the same gradients the optimizer is bitwise (test_grouped_adamw_equals_plain_adamw)."""
   c = horizon.get_config("tiny")
   cfg = ModelConfig.from_config(c.model).replace(num_layers=6)
   tc = dataclasses.replace(ts.TrainConfig.from_config(c.train), grad_clip=1e6)  # no clipping
-  rows = {k: jnp.asarray(v) for k, v in _rows(cfg).items()}
+  assert tc.group_leaves  # the default
+  rows = {k: jnp.asarray(v) for k, v in byte_corpus.lm_rows(
+      byte_corpus.load_stdlib_bytes(), 0, 0, np.arange(2), 16).items()}
   results = []
-  for make in (ts.make_train_state, _plain_optimizer):
+  for group in (True, False):
+    tcg = dataclasses.replace(tc, group_leaves=group)
     model = Horizon(cfg, rngs=nnx.Rngs(0))
-    opt = make(model, tc)
-    metrics = jax.device_get(ts.jit_train_step(model, opt, rows, tc))
+    opt = ts.make_train_state(model, tcg)
+    metrics = jax.device_get(ts.jit_train_step(model, opt, rows, tcg))
     results.append((metrics, nnx.state(model, nnx.Param), nnx.state(opt)))
   (m_g, p_g, o_g), (m_p, p_p, o_p) = results
   groups = lg.LeafGroups.of(p_g)
   assert max(len(m) for m in groups.members) > 1  # some roles do repeat across layers
+  assert len(lg.LeafGroups.of(p_g, by_role=False).keys) == groups.num_leaves
   assert m_g["finite"] and m_g["grad_finite"].shape == (groups.num_leaves,)
   np.testing.assert_array_equal(m_g["grad_finite"], m_p["grad_finite"])
   np.testing.assert_allclose(m_g["grad_norm"], m_p["grad_norm"], rtol=1e-6)
@@ -122,17 +135,3 @@ def test_train_step_on_a_repeating_stack_matches_the_plain_optimizer():
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path((p_g, o_g)), jax.tree.leaves((p_p, o_p)),
                           strict=True):
     assert_close(a, b, what=jax.tree_util.keystr(path))
-
-
-def _rows(cfg):
-  from training import byte_corpus  # noqa: PLC0415
-  return byte_corpus.lm_rows(byte_corpus.load_stdlib_bytes(), 0, 0, np.arange(2), 16)
-
-
-def _plain_optimizer(model, tc):
-  """The optimizer make_train_state built before leaf groups: the same chain, per leaf."""
-  tx = optax.apply_if_finite(optax.chain(
-      optax.clip_by_global_norm(tc.grad_clip),
-      optax.adamw(ts.learning_rate_schedule(tc), b1=tc.b1, b2=tc.b2, eps=tc.eps,
-                  weight_decay=tc.weight_decay, mask=ts.decay_mask)), max_consecutive_errors=1 << 30)
-  return nnx.Optimizer(model, tx, wrt=nnx.Param)
