@@ -48,6 +48,12 @@ def test_groups_by_role_dtype_and_shape_and_round_trips():
     np.testing.assert_array_equal(a, b)
   with pytest.raises(ValueError, match="9 leaves, grouped for 10"):
     groups.stack(leaves[:9])
+  # Leaves above max_elements are groups of their own: the [5, 3] layers split, the scales stay.
+  g12 = lg.LeafGroups.of(tree, max_elements=12)
+  capped = dict(zip(g12.keys, g12.members, strict=True))
+  assert capped["blocks/*/scale:float32[3]"] == names["blocks/*/scale:float32[3]"]
+  assert capped["['blocks'][1]['w']:float32[5, 3]"] == (by_path["['blocks'][1]['w']"],)
+  assert len(capped) == 7 and len(lg.LeafGroups.of(tree, max_elements=0).keys) == 10
 
 
 def test_per_leaf_checks_come_back_in_leaf_order():
@@ -106,28 +112,29 @@ def test_grouped_mask_sees_leaf_shapes():
 
 
 def test_train_step_on_a_repeating_stack_matches_the_plain_optimizer():
-  """tiny with 6 layers (layers of a kind share groups): one jitted step with
-  config.train.group_leaves gives the weights, moments and per-leaf checks of the step without.
+  """tiny with 6 layers (layers of a kind share groups): one jitted step with leaf groups
+  (config.train.group_max_elements) gives the weights, moments and per-leaf checks of the step
+  without (0).
   Not bitwise: the two programs differ, and XLA fuses some gradient reductions differently when
   their result feeds a stack (measured: the delta layers' conv_w gradients, ~1e-7 relative);
   given the same gradients the optimizer is bitwise (test_grouped_adamw_equals_plain_adamw)."""
   c = horizon.get_config("tiny")
   cfg = ModelConfig.from_config(c.model).replace(num_layers=6)
   tc = dataclasses.replace(ts.TrainConfig.from_config(c.train), grad_clip=1e6)  # no clipping
-  assert tc.group_leaves  # the default
+  assert tc.group_max_elements > 0  # the default
   rows = {k: jnp.asarray(v) for k, v in byte_corpus.lm_rows(
       byte_corpus.load_stdlib_bytes(), 0, 0, np.arange(2), 16).items()}
   results = []
-  for group in (True, False):
-    tcg = dataclasses.replace(tc, group_leaves=group)
+  for group in (tc.group_max_elements, 0):
+    tcg = dataclasses.replace(tc, group_max_elements=group)
     model = Horizon(cfg, rngs=nnx.Rngs(0))
     opt = ts.make_train_state(model, tcg)
     metrics = jax.device_get(ts.jit_train_step(model, opt, rows, tcg))
     results.append((metrics, nnx.state(model, nnx.Param), nnx.state(opt)))
   (m_g, p_g, o_g), (m_p, p_p, o_p) = results
-  groups = lg.LeafGroups.of(p_g)
+  groups = lg.LeafGroups.of(p_g, tc.group_max_elements)
   assert max(len(m) for m in groups.members) > 1  # some roles do repeat across layers
-  assert len(lg.LeafGroups.of(p_g, by_role=False).keys) == groups.num_leaves
+  assert len(lg.LeafGroups.of(p_g, 0).keys) == groups.num_leaves
   assert m_g["finite"] and m_g["grad_finite"].shape == (groups.num_leaves,)
   np.testing.assert_array_equal(m_g["grad_finite"], m_p["grad_finite"])
   np.testing.assert_allclose(m_g["grad_norm"], m_p["grad_norm"], rtol=1e-6)

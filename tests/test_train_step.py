@@ -127,6 +127,6 @@ def test_train_config_errors(setup):
   c.nan_policy = "ignore"
   with pytest.raises(ValueError, match="nan_policy='ignore'"):
     ts.TrainConfig.from_config(c)
-  d = dict(horizon.get_config("tiny").train.items(), group_leaves=1)  # a dict is not type-checked
-  with pytest.raises(ValueError, match="group_leaves=1: must be True or False"):
+  d = dict(horizon.get_config("tiny").train.items(), group_max_elements=-1)
+  with pytest.raises(ValueError, match="group_max_elements=-1: must be an int >= 0"):
     ts.TrainConfig.from_config(d)

@@ -76,7 +76,7 @@ class TrainConfig:
   router_bias_rate: float
   grad_accum: int
   nan_policy: str
-  group_leaves: bool
+  group_max_elements: int
 
   @classmethod
   def from_config(cls, train_cfg: Any) -> "TrainConfig":
@@ -95,8 +95,9 @@ class TrainConfig:
     if d["global_batch"] % d["grad_accum"]:
       raise ValueError(f"config.train.global_batch={d['global_batch']} is not divisible by "
                        f"config.train.grad_accum={d['grad_accum']}.")
-    if not isinstance(d["group_leaves"], bool):
-      raise ValueError(f"config.train.group_leaves={d['group_leaves']!r}: must be True or False.")
+    if not isinstance(d["group_max_elements"], int) or d["group_max_elements"] < 0:
+      raise ValueError(f"config.train.group_max_elements={d['group_max_elements']!r}: must be an int "
+                       ">= 0 (0: no leaf groups).")
     if d["nan_policy"] not in ("stop", "skip"):
       raise ValueError(f"config.train.nan_policy={d['nan_policy']!r}: choose 'stop' or 'skip'.")
     return cls(**d)
@@ -123,12 +124,13 @@ def decay_mask(params: Any) -> Any:
 def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
   """Global-norm clipping, then AdamW with the warm-up + cosine schedule; skips non-finite updates.
 
-  With tc.group_leaves it runs on same-role leaves of all layers stacked together
-  (training/leaf_groups.py), so it compiles once per parameter role, not once per layer; the
-  state is kept per leaf either way (same checkpoints).
+  With tc.group_max_elements > 0 it runs on same-role leaves of all layers stacked together
+  (training/leaf_groups.py, leaves up to that size), so it compiles once per parameter role, not
+  once per layer; the state is kept per leaf either way (same checkpoints).
   """
-  group = leaf_groups.grouped if tc.group_leaves else (lambda tx: tx)
-  mask = leaf_groups.grouped_mask(decay_mask) if tc.group_leaves else decay_mask
+  n = tc.group_max_elements
+  group = (lambda tx: leaf_groups.grouped(tx, n)) if n else (lambda tx: tx)
+  mask = leaf_groups.grouped_mask(decay_mask) if n else decay_mask
   return group(optax.apply_if_finite(optax.chain(
       optax.clip_by_global_norm(tc.grad_clip),
       optax.adamw(learning_rate_schedule(tc), b1=tc.b1, b2=tc.b2, eps=tc.eps,
@@ -240,10 +242,10 @@ def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: Mapping[str, 
   """
   grads, metrics = _grads(model, batch, tc, optimizer.wrt)
   metrics["ce"] = metrics.pop("ce_sum") / jnp.maximum(metrics["tokens"], 1.0)
-  # Per-leaf checks, group by group with tc.group_leaves (training/leaf_groups.py).
-  metrics["grad_finite"], metrics["grad_norm"] = leaf_groups.finite_and_norm(grads, tc.group_leaves)
+  # Per-leaf checks, group by group (training/leaf_groups.py; group_max_elements 0: per leaf).
+  metrics["grad_finite"], metrics["grad_norm"] = leaf_groups.finite_and_norm(grads, tc.group_max_elements)
   metrics["param_finite"] = leaf_groups.all_finite_per_leaf(nnx.state(model, optimizer.wrt),
-                                                            tc.group_leaves)
+                                                            tc.group_max_elements)
   metrics["finite"] = jnp.isfinite(metrics["loss"]) & jnp.all(metrics["grad_finite"])
   metrics["learning_rate"] = learning_rate_schedule(tc)(_applied_updates(optimizer))
   optimizer.update(model, grads)  # apply_if_finite: a no-op on non-finite gradients

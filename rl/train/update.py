@@ -81,7 +81,7 @@ def micro_grads(model: nnx.Module, optimizer: nnx.Optimizer, batch: Mapping[str,
 @nnx.jit(static_argnames=("tc",), donate_argnums=(2,))
 def apply_grads(model: nnx.Module, optimizer: nnx.Optimizer, grads, load, tc: TrainConfig) -> dict:
   """One optimizer update (skipped, weights untouched, when gradients are not finite)."""
-  leaf_finite, grad_norm = leaf_groups.finite_and_norm(grads, tc.group_leaves)
+  leaf_finite, grad_norm = leaf_groups.finite_and_norm(grads, tc.group_max_elements)
   finite = jnp.all(leaf_finite)
   metrics = {"grad_norm": grad_norm, "finite": finite,
              "learning_rate": learning_rate_schedule(tc)(optimizer.step[...])}
