@@ -22,9 +22,10 @@ the way in and split on the way out; the rest (counts) passes through.
 Stacking is a copy, so only leaves of at most `max_elements` elements are grouped
 (`config.train.group_max_elements`, default 2^20; 0: none): the per-leaf cost
 that grouping removes is per op, not per byte, while the copy costs per byte.
-Grouping every leaf of the `small` step, 32-expert weights included, cost 18% of
-its step time (3.17 -> 3.73 s, interleaved in one process: 9 stacks of
-[7, 32, 384, 256] f32 at ~38 ms each) and 9% of its planned peak memory. Larger
+Grouping every leaf of the `small` step, 32-expert weights included, cost 12-18%
+of its step time (two runs, each interleaved in one process: 3.12 -> 3.49 s and
+3.17 -> 3.73 s; 9 stacks of [7, 32, 384, 256] f32 at ~38 ms each) and 9% of its
+planned peak memory; with the default cap, 3.122 vs 3.115 s and +0.9%. Larger
 leaves stay one group each (stacking one leaf is a reshape).
 (MaxText stores the scanned layers' parameters stacked instead, which saves the
 stack and split and that copy; that layout changes every consumer of the
