@@ -165,6 +165,17 @@ def einsum_f32(spec: str, x: jax.Array, y: jax.Array) -> jax.Array:
   return jnp.einsum(spec, x, y.astype(x.dtype), preferred_element_type=jnp.float32)
 
 
+def scatter_set(buf: jax.Array, index, new: jax.Array, mode: str | None = None) -> jax.Array:
+  """`buf.at[index].set(new)` with `new` cast to buf's dtype; 16-bit floats move as uint16, the same
+  bits: XLA:CPU computes a bf16/f16 scatter in f32, converting the whole buffer there and back (a
+  decode step's cache write then costs the whole cache, not the new token). Not differentiable."""
+  new = new.astype(buf.dtype)
+  if jnp.issubdtype(buf.dtype, jnp.floating) and jnp.dtype(buf.dtype).itemsize == 2:
+    bits = jax.lax.bitcast_convert_type
+    return bits(bits(buf, jnp.uint16).at[index].set(bits(new, jnp.uint16), mode=mode), buf.dtype)
+  return buf.at[index].set(new, mode=mode)
+
+
 def rms_norm(x: jax.Array, scale: jax.Array | None, eps: float) -> jax.Array:
   """RMSNorm computed in f32; returns x's dtype."""
   xf = x.astype(jnp.float32)

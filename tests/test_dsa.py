@@ -17,7 +17,7 @@ from jax.test_util import check_grads
 
 from model.attention import sparse
 from model.attention.dsa import GatedDSA
-from model.layers import apply_rope
+from model.layers import apply_rope, scatter_set
 from pallas_kernels.indexer_topk import reference as topk_ref
 from pallas_kernels.sparse_attention import reference as attn_ref
 from tests.helpers import assert_close
@@ -497,3 +497,27 @@ def test_layer_bad_inputs(tiny_cfg):
     layer.extend(jnp.concatenate([x, x]), jnp.ones((2, 5), bool), cache)
   with pytest.raises(ValueError, match="valid"):
     layer.extend(x[:, :1], jnp.ones((1, 1), jnp.int32), cache)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_cache_write_moves_16_bit_floats_as_bits(dtype):
+  """model.layers.scatter_set (the DSA cache write): the bits of `buf.at[...].set(..., mode="drop")`
+  (out-of-range slots dropped), and for 16-bit floats no f32 copy of the buffer in the compiled
+  program (XLA:CPU computes a bf16 scatter in f32, converting the whole cache there and back)."""
+  rng = np.random.default_rng(3)
+  buf = jnp.asarray(rng.standard_normal((5, 37, 11)), dtype)
+  new = jnp.asarray(rng.standard_normal((5, 3, 11)), jnp.float32)  # cast to buf's dtype on the way
+  rows = jnp.arange(5)[:, None]
+  slot = jnp.asarray(rng.integers(0, 37, (5, 3)), jnp.int32).at[1, 2].set(37).at[4, 0].set(40)  # dropped
+
+  def plain(b, n, s):
+    return b.at[rows, s].set(n.astype(b.dtype), mode="drop")
+
+  def ours(b, n, s):
+    return scatter_set(b, (rows, s), n, mode="drop")
+  want, got = jax.jit(plain)(buf, new, slot), jax.jit(ours)(buf, new, slot)
+  assert got.dtype == dtype
+  np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+  assert not np.array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(buf.astype(jnp.float32)))
+  hlo = jax.jit(ours).lower(buf, new, slot).compile().as_text()
+  assert ("f32[5,37,11]" in hlo) == (dtype == jnp.float32), "a 16-bit cache was written through f32"

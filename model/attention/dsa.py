@@ -30,7 +30,7 @@ from flax import nnx
 
 from model.attention import sparse
 from model.config import ModelConfig
-from model.layers import F32_SCOPE, RMSNorm, apply_rope, einsum, param
+from model.layers import F32_SCOPE, RMSNorm, apply_rope, einsum, param, scatter_set
 from pallas_kernels.indexer_topk.reference import allowed_mask, indexer_scores_dense
 from pallas_kernels.sparse_attention.reference import dense_mqa_attention
 from sharding.rules import per_shard
@@ -279,7 +279,7 @@ class GatedDSA(nnx.Module):
     slot = jnp.where(valid, positions, cache.max_len)  # out of range -> dropped
 
     def write(buf, new):
-      return buf.at[rows, slot].set(new.astype(buf.dtype), mode="drop")
+      return scatter_set(buf, (rows, slot), new, mode="drop")
 
     lengths = cache.lengths + jnp.sum(valid, axis=1, dtype=jnp.int32)
     cache = DSACache(latent=write(cache.latent, latent), k_rope=write(cache.k_rope, k_rope),
