@@ -47,6 +47,11 @@ def _serving(variant: str) -> ml_collections.ConfigDict:
   # Up to this many decode + sample steps per device call while no row needs the host between
   # tokens (serving/decode_loop.py; same tokens as one step per call); 1 = one step per call.
   s.decode_steps = 8
+  # False: a decode call computes the fewest rows (2, 4, 8, ..., slots) that hold the decoding requests,
+  # one program each (a lone request reads the weights for 2 rows, not `slots`); a request's last bits
+  # then depend on how many others decode with it. True: every call computes all slots, so they do not
+  # (configs/sft.py sets it for evaluation and RL: resumed runs repeat their episodes exactly).
+  s.batch_invariant = False
   # Prefix cache: a request reuses the longest cached prefix of its prompt (per-block DSA state
   # and delta-state snapshots at block ends) and prefills the rest; LRU within the budget.
   s.prefix_cache_mb = _PREFIX_MB[variant]  # 0 = off

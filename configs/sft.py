@@ -57,6 +57,8 @@ def _sft() -> ml_collections.ConfigDict:
 def get_config(variant: str = "agent") -> ml_collections.ConfigDict:
   config = pretrain.get_config(variant)
   config.serving = serve.get_config(variant).serving
+  # Evaluation and RL rollouts: a task's episode must not depend on what else the engine runs.
+  config.serving.batch_invariant = True
   config.env = env()
   config.sft = _sft()
   config.train.update(steps=200, global_batch=8, seq_len=1024, learning_rate=2e-3, warmup_steps=20)

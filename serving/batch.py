@@ -16,7 +16,9 @@ the same request and seed give bit-identical tokens alone or among others, in
 any slot (tests/test_engine.py; checked on XLA:CPU in f32 and bf16, where MoE
 runs the 'blocked' grouped matmul). On TPU/GPU this relies on XLA's native
 ragged dot computing each row independently of where the expert-group
-boundaries fall.
+boundaries fall. That holds for decode calls over all S slots (the engine's
+`batch_invariant=True`); a decode call over a row bucket (serving/decode_loop.py)
+is another program, whose last bits may differ.
 
 The model enters the programs as `nnx.split` graphdef + state: the state is
 an argument (so `Engine.update_weights` swaps weights without recompiling),

@@ -40,4 +40,5 @@ def build_engine(config: Any, checkpoint: str | None = None) -> Engine:
   return Engine(model, tokenizer, slots=s.slots, max_context=s.max_context,
                 prefill_chunk=s.prefill_chunk, seed=s.seed, max_queue=s.max_queue,
                 prefix_cache_mb=s.prefix_cache_mb, prefix_cache_block=s.prefix_cache_block,
-                prefix_cache_exact=s.prefix_cache_exact, decode_steps=s.decode_steps)
+                prefix_cache_exact=s.prefix_cache_exact, decode_steps=s.decode_steps,
+                batch_invariant=s.batch_invariant)

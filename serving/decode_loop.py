@@ -31,25 +31,30 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from model.layers import scatter_set
 from serving.batch import sampling_args
 from serving.sampling import sample_batch
 from serving.types import FreeRun
 
 
 def compile_decode_loop(graphdef: nnx.GraphDef, steps: int) -> Callable:
-  """jit(decode_loop)(state, cache, tokens [S], active bool [S], budget int32 [S], stop bool [S, V],
-  temperature, top_k, top_p, mask bool [S, V], forced int32 [S], seed_lo, seed_hi, n_generated,
-  max_steps int32 []) -> (tokens int32 [S, K], logprobs f32 [S, K], counts int32 [S], routed int32
-  [S, K, moe layers, k] or None, cache), K = `steps`. At most max_steps <= K steps; row i produced
-  counts[i] tokens (its first counts[i] columns) and stops after one in its `stop` row or at its
-  budget; forced (>= 0) replaces a row's draw (one-step calls only); routed[i, j]: the experts of
-  the token fed at step j (the pending one, then each sampled one but the last). The decode state
-  is donated."""
+  """jit(decode_loop)(state, cache, rows int32 [B], tokens [B], active bool [B], budget int32 [B], stop
+  bool [B, V], temperature, top_k, top_p, mask bool [B, V], forced int32 [B], seed_lo, seed_hi,
+  n_generated, max_steps int32 []) -> (tokens int32 [B, K], logprobs f32 [B, K], counts int32 [B],
+  routed int32 [B, K, moe layers, k] or None, cache), K = `steps`. The call computes B of the
+  cache's S rows: row j of every [B] input and output is the cache's row `rows[j]` (distinct; B = S
+  computes the cache in place, B < S gathers those rows and writes them back, one program per B).
+  At most max_steps <= K steps; row j produced counts[j] tokens (its first counts[j] columns) and
+  stops after one in its `stop` row or at its budget; forced (>= 0) replaces a row's draw
+  (one-step calls only); routed[j, i]: the experts of the token fed at step i (the pending one,
+  then each sampled one but the last). The decode state is donated."""
 
-  def decode_loop(state, cache, tokens, active, budget, stop, temperature, top_k, top_p, mask, forced,
-                  seed_lo, seed_hi, n_generated, max_steps):
+  def decode_loop(state, cache, rows_in, tokens, active, budget, stop, temperature, top_k, top_p, mask,
+                  forced, seed_lo, seed_hi, n_generated, max_steps):
     model = nnx.merge(graphdef, state)
     s = tokens.shape[0]
+    whole = s == jax.tree.leaves(cache)[0].shape[0]  # B = S: every row, in place
+    full, cache = cache, (cache if whole else jax.tree.map(lambda a: a[rows_in], cache))
     rows = jnp.arange(s)
     n_moe = sum(kind == "moe" for kind in model.cfg.ffn_kinds)
 
@@ -74,20 +79,22 @@ def compile_decode_loop(graphdef: nnx.GraphDef, steps: int) -> Callable:
     init = (jnp.int32(0), cache, tokens, active & (budget > 0), jnp.zeros((s,), jnp.int32),
             jnp.full((s, steps), -1, jnp.int32), jnp.zeros((s, steps), jnp.float32), routed0)
     _, cache, _, _, count, out_t, out_lp, out_r = jax.lax.while_loop(cond, body, init)
+    if not whole:
+      cache = jax.tree.map(lambda a, b: scatter_set(a, rows_in, b), full, cache)
     return out_t, out_lp, count, (out_r if n_moe else None), cache
 
   return jax.jit(decode_loop, donate_argnums=(1,))
 
 
 def input_specs(slots: int, vocab_size: int) -> tuple:
-  """jax.ShapeDtypeStruct of each argument after (state, cache) of compile_decode_loop's program, in
-  order (serving/weights.engine_castable traces the program with them)."""
+  """jax.ShapeDtypeStruct of each argument after (state, cache) of compile_decode_loop's program for
+  `slots` rows (B), in order (serving/weights.engine_castable traces the program with them)."""
   spec = jax.ShapeDtypeStruct
   i32, f32, u32, b = ((slots,), jnp.int32), ((slots,), jnp.float32), ((slots,), jnp.uint32), ((slots,), bool)
   table = ((slots, vocab_size), bool)
-  # tokens, active, budget, stop, temperature, top_k, top_p, mask, forced, seed_lo, seed_hi,
+  # rows, tokens, active, budget, stop, temperature, top_k, top_p, mask, forced, seed_lo, seed_hi,
   # n_generated, max_steps
-  return tuple(spec(*a) for a in (i32, b, i32, table, f32, i32, f32, table, i32, u32, u32, u32,
+  return tuple(spec(*a) for a in (i32, i32, b, i32, table, f32, i32, f32, table, i32, u32, u32, u32,
                                   ((), jnp.int32)))
 
 
@@ -99,6 +106,32 @@ class Call(NamedTuple):
   forced: np.ndarray  # int32 [S], -1: none
   tail: tuple  # seed_lo, seed_hi, n_generated
   max_steps: int
+
+
+def row_buckets(slots: int, batch_invariant: bool) -> tuple[int, ...]:
+  """Row counts B the engine compiles the decode program for: all S slots alone when batch-invariant;
+  else the powers of two from 2 up to S, and S (a call computes the smallest B that holds its
+  decoding rows). Not 1: XLA:CPU lowers a one-row bf16 matmul through f32 and hoists the weights'
+  conversion out of the loop, converting every weight at every call (and its matrix-vector kernel
+  rounds differently from the matrix-matrix one that 2..S rows share)."""
+  if batch_invariant or slots <= 2:
+    return (slots,)
+  return tuple(sorted({min(slots, 1 << k) for k in range(1, slots.bit_length() + 1)}))
+
+
+def select_rows(call: Call, buckets: Sequence[int]) -> tuple[np.ndarray, Call]:
+  """(rows [B], the call restricted to them): B is the smallest bucket holding the call's active rows,
+  which come first in slot order, then the lowest idle slots (inactive in the call) to fill B."""
+  active = call.head[1]
+  live = np.flatnonzero(active)
+  b = next((n for n in buckets if n >= len(live)), len(active))
+  if b == len(active):
+    rows = np.arange(b, dtype=np.int32)
+  else:
+    rows = np.concatenate([live, np.flatnonzero(~active)[:b - len(live)]]).astype(np.int32)
+  pick = lambda xs: tuple(x[rows] for x in xs)  # noqa: E731
+  return rows, Call(pick(call.head), pick(call.sampling), None if call.mask is None else call.mask[rows],
+                    call.forced[rows], pick(call.tail), call.max_steps)
 
 
 def _free_run(slot: Any) -> FreeRun | None:

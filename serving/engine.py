@@ -12,9 +12,8 @@ One background thread loops:
   2. prefill ONE chunk for every slot still prefilling, one jitted [1, width] call per such row
      (its decode state sliced out and written back in place; width: the smallest of
      prefill_chunk, /2, /4 holding the chunk), so prefill costs what the prefilling rows need;
-  3. one decode call for every decoding slot (serving/decode_loop.py; a valid mask keeps idle
-     and prefilling rows untouched): up to `decode_steps` decode + sample steps when no row
-     needs the host between tokens, else one step under the rows' constraints;
+  3. one decode call for the decoding slots (serving/decode_loop.py; B rows: all S, or a bucket),
+     up to `decode_steps` steps when no row needs the host between tokens, else one constrained;
   4. sample the rows whose prompt is complete, hand every new token to its request's processor
      and deliver events; finished slots are freed and refilled at the next iteration.
 
@@ -82,16 +81,19 @@ class Engine:
     compute_dtype_weights: hold the weights the programs only use in the compute dtype in that dtype,
       converted once per weight update (serving/weights.py; the same bits, fewer bytes per step).
     decode_steps: most decode + sample steps per decode call (serving/decode_loop.py).
+    batch_invariant: True: decode computes all S slots, so a request's tokens do not depend on what
+      else runs; False: the fewest rows of `decode_loop.row_buckets` holding the decoding ones.
   """
 
   def __init__(self, model: Any, tokenizer: Any, *, slots: int, max_context: int, prefill_chunk: int,
                seed: int = 0, max_queue: int = 1024, prefix_cache_mb: float = 0.0,
                prefix_cache_block: int = 16, prefix_cache_exact: bool = False,
-               compute_dtype_weights: bool = True, decode_steps: int = 8):
+               compute_dtype_weights: bool = True, decode_steps: int = 8, batch_invariant: bool = True):
     cfg = model.cfg
     validate_engine_args(cfg, slots=slots, max_context=max_context, prefill_chunk=prefill_chunk,
                          max_queue=max_queue, decode_steps=decode_steps)
     self.decode_steps = decode_steps
+    self.decode_buckets = decode_loop.row_buckets(slots, batch_invariant)
     self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
     self.slots, self.max_context, self.prefill_chunk = slots, max_context, prefill_chunk
     self.max_queue, self.vocab_size = max_queue, cfg.vocab_size
@@ -101,7 +103,7 @@ class Engine:
     self._fns = {**batch.compile_programs(self._graphdef),
                  "decode_loop": decode_loop.compile_decode_loop(self._graphdef, decode_steps)}
     self._cache = model.init_cache(slots, max_context)
-    self._castable = (engine_castable(self._fns, state, self._cache, cfg, prefill_chunk, slots,
+    self._castable = (engine_castable(self._fns, state, self._cache, cfg, prefill_chunk, self.decode_buckets,
                                       has_vision=model.vision is not None)
                       if compute_dtype_weights else None)
     self._state = self._serving_state(state)
@@ -115,7 +117,7 @@ class Engine:
     # Constant inputs kept on the device: "no constraint" masks, and the image patches of chunks
     # without placeholders. The prefill always takes image_embeds [1, W, d] (the size of one
     # chunk's activations), so one program per width serves chunks with and without images.
-    self._all_allowed = jnp.ones((slots, self.vocab_size), bool)
+    self._all_allowed = {b: jnp.ones((b, self.vocab_size), bool) for b in self.decode_buckets}
     # A chunk runs at the smallest of these lengths that holds it (one program each), so the
     # short last chunk of a prompt (all that is left after a prefix-cache hit) costs its size,
     # not a whole chunk's. A request's chunks and shapes depend on its prompt alone.
@@ -151,11 +153,8 @@ class Engine:
     return self
 
   def stop(self) -> None:
-    """Stops the loop; requests still waiting or running finish with 'cancelled'.
-
-    `submit` refuses requests until the stop is complete (nothing would drive
-    them); afterwards the engine is idle and `generate` drives it again.
-    """
+    """Stops the loop; requests still waiting or running finish with 'cancelled'. `submit` refuses
+    requests until the stop is complete; afterwards the engine is idle and `generate` drives it."""
     with self._cond:
       self._stopping = True
       self._cond.notify_all()
@@ -230,10 +229,8 @@ class Engine:
 
   # ---- sync conveniences (RL, evaluators, tests) ----------------------------------
   def generate(self, request: Request) -> tuple[list[int], str, Usage]:
-    """Runs one request to the end: (token_ids, finish_reason, usage).
-
-    Works with the loop thread running or not (then this thread drives the loop).
-    """
+    """Runs one request to the end: (token_ids, finish_reason, usage), with the loop thread running
+    or not (then this thread drives the loop)."""
     handle = self.submit(request)
     ids, last = [], None
     for ev in self._drive(handle):
@@ -396,23 +393,25 @@ class Engine:
 
   def _decode(self, call: decode_loop.Call) -> None:
     """One decode call (serving/decode_loop.py); delivers each row's tokens in order."""
-    mask = self._all_allowed if call.mask is None else jnp.asarray(call.mask)
+    rows, call = decode_loop.select_rows(call, self.decode_buckets)
+    mask = self._all_allowed[len(rows)] if call.mask is None else jnp.asarray(call.mask)
     tokens, logprobs, counts, routed, self._cache = self._fns["decode_loop"](
-        self._state, self._cache, *call.head, *call.sampling, mask, call.forced, *call.tail,
+        self._state, self._cache, rows, *call.head, *call.sampling, mask, call.forced, *call.tail,
         np.int32(call.max_steps))
     tokens, logprobs, counts, routed = jax.device_get((tokens, logprobs, counts, routed))
     pc = self._prefixer
-    for i in np.flatnonzero(counts):
+    for r in np.flatnonzero(counts):
+      i = int(rows[r])
       s = self._rows[i]
-      for j in range(counts[i]):
+      for j in range(counts[r]):
         if self._rows[i] is not s:  # its processor ended it (a stop string): drop the rest
           break
         s.cache_len, s.pending = s.cache_len + 1, None  # token j's input was fed at step j
         if s.routing is not None and routed is not None:
-          s.routing.append(routed[i, j:j + 1])
+          s.routing.append(routed[r, j:j + 1])
         if pc is not None:  # a run stops where a block ends (run_ahead), so the state stands there
           pc.add_blocks(self._cache, int(i), s, decoded=True)
-        self._accept(i, int(tokens[i, j]), float(logprobs[i, j]))
+        self._accept(i, int(tokens[r, j]), float(logprobs[r, j]))
 
   # ---- sampling and delivery ------------------------------------------------------
   def _sample_prefilled(self, logits, rows: list[int], masks, forced) -> None:
@@ -421,7 +420,7 @@ class Engine:
     from_prefill = np.isin(np.arange(self.slots), rows)
     tokens, logprobs = self._fns["sample"](
         logits, logits, from_prefill, temp, top_k, top_p,
-        self._all_allowed if masks is None else jnp.asarray(masks), forced, lo, hi, n_gen)
+        self._all_allowed[self.slots] if masks is None else jnp.asarray(masks), forced, lo, hi, n_gen)
     tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
     for i in rows:
       if self._rows[i].handle._capture_logits:

@@ -16,7 +16,9 @@ request, so one call each is enough):
   * text: `reset` (admission), `prefill` at each of its widths (a whole chunk,
     then a last chunk of each width: `Engine.prefill_buckets`; the second call
     sees the decode state the first one wrote), `decode_loop` (one program
-    whatever the steps per call) and `sample`; with the prefix cache, its
+    whatever the steps per call, per row bucket: `Engine.decode_buckets`, the
+    smallest met by a lone request, each larger one by that many at once, all
+    slots by the full batch) and `sample`; with the prefix cache, its
     copies out of a row (the first requests) and into one (the steady-state
     request, which finds the first one's prompt cached);
   * images (models with vision only): `encode`, and a prefill chunk that
@@ -133,6 +135,9 @@ class Warmup:
     vision = self.ctx.model_cfg.vision
     if vision is not None and vision.enabled:
       phases.insert(1, ("image request: compiling the vision encoder", self._image))
+    for rows in self.ctx.engine.decode_buckets[1:-1]:
+      phases.append((f"{rows} requests at once: the decode program for {rows} rows",
+                     lambda rows=rows: self._batch(rows)))
     phases.append((f"full batch: {self.ctx.engine.slots} requests at once", self._batch))
     phases.append(("warm text request (steady state)", self._text))
     return phases
@@ -175,6 +180,6 @@ class Warmup:
                                        tool_choice=ToolChoice("required"))
     self._generate([self._request(ids, max_tokens=6, processor=processor)])
 
-  def _batch(self) -> None:
+  def _batch(self, rows: int | None = None) -> None:
     ids, _ = self._prompt()
-    self._generate([self._request(ids, max_tokens=2) for _ in range(self.ctx.engine.slots)])
+    self._generate([self._request(ids, max_tokens=2) for _ in range(rows or self.ctx.engine.slots)])

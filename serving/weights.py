@@ -119,11 +119,11 @@ def compute_dtype_state(state: Any, castable: Sequence[bool], dtype: Any) -> Any
 
 
 def engine_castable(fns: Mapping[str, Any], state: Any, cache: Any, cfg: Any, prefill_chunk: int,
-                    slots: int, has_vision: bool) -> list[bool] | None:
+                    decode_rows: Sequence[int], has_vision: bool) -> list[bool] | None:
   """Per leaf of `state`: do all of the engine's programs `fns` (prefill, decode_loop, and the vision
   encoder when the model has one) only convert it to the compute dtype? None when every leaf
-  already is in that dtype. cache: the engine's decode state; prefill_chunk, slots: its program
-  shapes."""
+  already is in that dtype. cache: the engine's decode state; prefill_chunk, decode_rows: its program
+  shapes (the decode program at each row count B it runs: the MoE path depends on B)."""
   dtype = cfg.jnp_dtype
   if all(np.dtype(a.dtype) == np.dtype(dtype) for a in jax.tree.leaves(state)):
     return None
@@ -133,7 +133,8 @@ def engine_castable(fns: Mapping[str, Any], state: Any, cache: Any, cfg: Any, pr
   c = prefill_chunk
   programs = [(fns["prefill"], (st, cache, i32(), i32(1, c), i32(1),
                                 jax.ShapeDtypeStruct((1, c, cfg.d_model), dtype))),
-              (fns["decode_loop"], (st, cache, *decode_loop.input_specs(slots, cfg.vocab_size)))]
+              *((fns["decode_loop"], (st, cache, *decode_loop.input_specs(b, cfg.vocab_size)))
+                for b in decode_rows)]
   if has_vision:
     v = cfg.vision
     shape = (1, v.image_size, v.image_size, v.num_channels)

@@ -22,7 +22,8 @@ def engines():
   from configs import serve
   config = serve.get_config("tiny")
   s = config.serving
-  s.update(slots=SLOTS, max_context=CONTEXT, prefill_chunk=CHUNK, decode_steps=STEPS)
+  # Both batch-invariant (every call computes all slots): compared bitwise below.
+  s.update(slots=SLOTS, max_context=CONTEXT, prefill_chunk=CHUNK, decode_steps=STEPS, batch_invariant=True)
   assert s.prefix_cache_mb > 0 and not s.prefix_cache_exact
   ahead = build_engine(config)
   one = Engine(ahead.model, ahead.tokenizer, slots=SLOTS, max_context=CONTEXT, prefill_chunk=CHUNK,
@@ -100,6 +101,35 @@ def test_same_tokens_as_one_step_per_call(engines):
   assert [len(g[0]) for g in got] == [21, 30, 13, 12]
   assert [g[2] for g in got] == ["length"] * 4  # the last row fills its context with max_tokens
   assert max(calls[before:]) == STEPS  # the run-ahead path ran
+
+
+def test_row_buckets_compute_only_the_decoding_rows(engines):
+  """batch_invariant=False: each call computes the smallest bucket (2 or 4 of the 4 slots) holding
+  its decoding rows, gathered from the decode state and written back. Greedy tokens and finish
+  reasons equal the all-slots engine's and log-probs agree to rounding (not bitwise: XLA compiles
+  each row count on its own, and tiny's MoE reads gathered experts below 8 assignments)."""
+  ahead, _, _ = engines
+  buckets = Engine(ahead.model, ahead.tokenizer, slots=SLOTS, max_context=CONTEXT, prefill_chunk=CHUNK,
+                   decode_steps=STEPS, batch_invariant=False)
+  assert buckets.decode_buckets == (2, 4)
+  rows_seen, program = [], buckets._fns["decode_loop"]
+
+  def logged(state, cache, rows, *rest):
+    rows_seen.append(tuple(int(r) for r in rows))
+    return program(state, cache, rows, *rest)
+  buckets._fns["decode_loop"] = logged
+  eos = ahead.tokenizer.special_id("bos")
+
+  def requests():
+    return [Request(_prompt(n, 60 + n), SamplingParams(max_tokens=m, temperature=0.0, stop_token_ids=[eos]))
+            for n, m in ((9, 5), (21, 24), (14, 11))]
+  got, (want, _) = _run(buckets, requests()), _both(engines, requests)  # both: their caches stay alike
+  for (ids_a, lps_a, ra, _, _), (ids_b, lps_b, rb, _, _) in zip(got, want, strict=True):
+    assert ids_a == ids_b and ra == rb == "length"
+    np.testing.assert_allclose(lps_a, lps_b, rtol=1e-4, atol=1e-5)
+  assert {len(r) for r in rows_seen} == {2, 4}  # three rows decode at 4, the last one or two at 2
+  assert all(len(set(r)) == len(r) for r in rows_seen)
+  buckets.stop()
 
 
 def test_stop_ids_end_rows_inside_a_run(engines):
@@ -237,9 +267,40 @@ def test_run_ahead_inputs():
   assert lo[0] == 7 and hi[0] == 2**8 and n_gen.tolist() == [1, 0, 2] and n_gen.dtype == np.uint32
   assert temp[0] == np.float32(0.5) and top_k[2] == 3 and top_p[0] == np.float32(0.8)
   # The engine's argument order (Engine._decode) matches the specs serving/weights traces with.
-  args = (*c.head, *c.sampling, c.mask, c.forced, *c.tail, np.int32(c.max_steps))
+  rows_b, c = decode_loop.select_rows(c, (3,))
+  args = (rows_b, *c.head, *c.sampling, c.mask, c.forced, *c.tail, np.int32(c.max_steps))
   specs = decode_loop.input_specs(3, 16)
   assert [(a.shape, np.dtype(a.dtype)) for a in args] == [(x.shape, np.dtype(x.dtype)) for x in specs]
+
+
+def test_row_buckets():
+  assert decode_loop.row_buckets(16, batch_invariant=False) == (2, 4, 8, 16)
+  assert decode_loop.row_buckets(12, batch_invariant=False) == (2, 4, 8, 12)
+  assert decode_loop.row_buckets(3, batch_invariant=False) == (2, 3)
+  assert decode_loop.row_buckets(2, batch_invariant=False) == (2,)
+  assert decode_loop.row_buckets(1, batch_invariant=False) == (1,)
+  assert decode_loop.row_buckets(16, batch_invariant=True) == (16,)
+
+
+def test_select_rows_takes_the_smallest_bucket_live_rows_first():
+  rows = [None, _Slot(), None, _Slot(prompt=9, fed=9, generated=(1, 2)), None]
+  c = _ahead(rows)
+  picked, sub = decode_loop.select_rows(c, (2, 4, 5))
+  np.testing.assert_array_equal(picked, [1, 3])
+  assert picked.dtype == np.int32 and sub.mask is None and sub.max_steps == c.max_steps
+  for full, part in zip((*c.head, *c.sampling, c.forced, *c.tail), (*sub.head, *sub.sampling, sub.forced,
+                                                                      *sub.tail), strict=True):
+    np.testing.assert_array_equal(part, full[picked])  # every per-row input, stop table included
+  rows[0] = rows[4] = _Slot()
+  picked, sub = decode_loop.select_rows(_ahead(rows), (2, 4, 5))
+  np.testing.assert_array_equal(picked, [0, 1, 3, 4])  # four live rows fill bucket 4
+  rows[2] = _Slot()
+  picked, sub = decode_loop.select_rows(_ahead(rows), (2, 4, 5))
+  np.testing.assert_array_equal(picked, np.arange(5))
+  rows = [None, None, _Slot(), None]
+  picked, sub = decode_loop.select_rows(_ahead(rows), (2, 4))
+  np.testing.assert_array_equal(picked, [2, 0])  # padded with the lowest idle slot, inactive in the call
+  np.testing.assert_array_equal(sub.head[1], [True, False])
 
 
 def test_one_step_inputs():

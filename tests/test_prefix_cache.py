@@ -30,7 +30,9 @@ def engines():
   from serving.build import build_engine
   config = serve.get_config("tiny")
   config.model.max_seq_len = CONTEXT  # a tool conversation outgrows tiny's 256
-  config.serving.update(slots=SLOTS, max_context=CONTEXT, prefill_chunk=CHUNK, prefix_cache_mb=0)
+  # Batch-invariant, as _build's engines (Engine's default): bits are compared across engines.
+  config.serving.update(slots=SLOTS, max_context=CONTEXT, prefill_chunk=CHUNK, prefix_cache_mb=0,
+                        batch_invariant=True)
   off = build_engine(config)
   assert off.tokenizer.special_id("bos") == BOS
   on = _build(off.model, off.tokenizer, prefix_cache_mb=64)

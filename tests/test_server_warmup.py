@@ -27,8 +27,9 @@ def _server(engine, serve_config, warmup: bool):
   config = copy.deepcopy(serve_config)
   config.serving.warmup = warmup
   s = config.serving
-  fresh = Engine(engine.model, engine.tokenizer, slots=s.slots, max_context=s.max_context,
-                 prefill_chunk=s.prefill_chunk).start()
+  # 8 slots: decode programs for 2, 4 and 8 rows (tiny's 4 slots have no bucket between the ends).
+  fresh = Engine(engine.model, engine.tokenizer, slots=8, max_context=s.max_context,
+                 prefill_chunk=s.prefill_chunk, batch_invariant=s.batch_invariant).start()
   return fresh, BackgroundServer(create_app(fresh, fresh.tokenizer, config)).start()
 
 
@@ -65,6 +66,8 @@ def test_health_waits_for_the_warm_up_then_the_first_request_is_warm(engine, ser
     assert first <= 3 * steady, f"first request {first:.3f} s vs steady state {steady:.3f} s"
     phases = server.app.state.warmup.phase_seconds
     assert any("prefill" in p for p in phases) and any("vision encoder" in p for p in phases)
+    middle = fresh.decode_buckets[1:-1]  # the smallest and all slots come with the other phases
+    assert middle and all(any(f"decode program for {b} rows" in p for p in phases) for b in middle), phases
     # This server's warm-up thread only: another server of the session may be warming up meanwhile.
     ours = server.app.state.warmup._thread.ident
     assert sum("took" in r.getMessage() for r in caplog.records if r.thread == ours) == len(phases)

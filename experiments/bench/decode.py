@@ -15,14 +15,16 @@ same process (a jitted sum over a 512 MiB array: bytes read per second):
            RoPE keys of the top-k selected ones; per row and delta layer, the recurrent state
            and conv history, read and written.
 
-Three engines on the same random weights decode B requests of --new_tokens tokens after a
+Four engines on the same random weights decode B requests of --new_tokens tokens after a
 --prompt-token prompt: one holding the weights as stored (f32 masters, each converted to the
 compute dtype at every use), one holding compute-dtype copies of the weights the programs only
-use in that dtype (serving/weights.py; the same bits), both one decode step per device call,
-and the second again with up to --decode_steps steps per call (serving/decode_loop.py, the
-serving default). tokens/s counts the tokens decoded after every row's first one, over the
-time from the last first token to the last token. Last line: JSON with tokens/s, the roofline
-fraction and the ratios between the engines.
+use in that dtype (serving/weights.py; the same bits), both one decode step per device call
+over all slots (batch-invariant), the second again with up to --decode_steps steps per call
+(serving/decode_loop.py), and that again computing only the smallest row bucket that holds the
+decoding rows (`config.serving.batch_invariant=False`, the serving default). tokens/s counts the
+tokens decoded after every row's first one, over the time from the last first token to the last
+token (the median of --repeats runs). Last line: JSON with tokens/s, the roofline fraction and
+the ratios between the engines.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ _PROMPT = flags.DEFINE_integer("prompt", 512, "Prompt tokens per request.")
 _NEW = flags.DEFINE_integer("new_tokens", 64, "Generated tokens per request.")
 _BATCHES = flags.DEFINE_list("batches", ["1", "16"], "Concurrent requests (decode batch sizes).")
 _STEPS = flags.DEFINE_integer("decode_steps", 8, "Most decode steps per device call (run-ahead).")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs per engine and batch (the median is reported).")
 
 
 def read_bandwidth(mib: int = 512, reps: int = 5) -> float:
@@ -111,19 +114,23 @@ def main(argv) -> None:
   prompt, new = (40, 16) if quick else (_PROMPT.value, _NEW.value)
   context = 128 if quick else 1024
   config.serving.update(slots=max(batches), max_context=context, prefix_cache_mb=0, decode_steps=_STEPS.value)
-  ahead = build_engine(config)
-  kw = dict(slots=ahead.slots, max_context=context, prefill_chunk=ahead.prefill_chunk, decode_steps=1)
-  stored = Engine(ahead.model, ahead.tokenizer, compute_dtype_weights=False, **kw)
-  held = Engine(ahead.model, ahead.tokenizer, **kw)
+  buckets = build_engine(config)
+  kw = dict(slots=buckets.slots, max_context=context, prefill_chunk=buckets.prefill_chunk,
+            batch_invariant=True)
+  stored = Engine(buckets.model, buckets.tokenizer, compute_dtype_weights=False, decode_steps=1, **kw)
+  held = Engine(buckets.model, buckets.tokenizer, decode_steps=1, **kw)
+  ahead = Engine(buckets.model, buckets.tokenizer, decode_steps=_STEPS.value, **kw)
   bw = read_bandwidth(64 if quick else 512)
   rows = []
   for name, engine in (("stored f32", stored), ("compute dtype", held),
-                       (f"+ {_STEPS.value} steps", ahead)):
+                       (f"+ {_STEPS.value} steps", ahead), ("+ row buckets", buckets)):
     engine.start()
     try:
-      decode_rate(engine, max(batches), prompt, 4, held.cfg.vocab_size)  # compiles every program
+      for b in batches:  # compiles every program the timed runs meet (a decode program per bucket)
+        decode_rate(engine, b, prompt, 4, held.cfg.vocab_size)
       for b in batches:
-        rate = decode_rate(engine, b, prompt, new, held.cfg.vocab_size)
+        rate = float(np.median([decode_rate(engine, b, prompt, new, held.cfg.vocab_size)
+                                for _ in range(_REPEATS.value)]))
         need = step_bytes(held, b, prompt + new // 2)
         roof = b * bw / need["total"]
         rows.append({"weights": name, "batch": b, "tokens_per_s": rate, "roofline": roof,
@@ -144,7 +151,8 @@ def main(argv) -> None:
                     "tokens_per_s": {f"{w}/{b}": round(r["tokens_per_s"], 1) for (w, b), r in by.items()},
                     "roofline_fraction": {f"{w}/{b}": round(r["fraction"], 4) for (w, b), r in by.items()},
                     "compute_dtype_over_stored": ratio("compute dtype", "stored f32"),
-                    "run_ahead_over_one_step": ratio(f"+ {_STEPS.value} steps", "compute dtype")}))
+                    "run_ahead_over_one_step": ratio(f"+ {_STEPS.value} steps", "compute dtype"),
+                    "buckets_over_all_slots": ratio("+ row buckets", f"+ {_STEPS.value} steps")}))
 
 
 if __name__ == "__main__":

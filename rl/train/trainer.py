@@ -131,7 +131,8 @@ class RLRun:
     self.engine = Engine(self.rollout_weights(), self.tokenizer, slots=s.slots, max_context=s.max_context,
                          prefill_chunk=s.prefill_chunk, seed=s.seed, prefix_cache_mb=s.prefix_cache_mb,
                          prefix_cache_block=s.prefix_cache_block,
-                         prefix_cache_exact=s.prefix_cache_exact, decode_steps=s.decode_steps).start()
+                         prefix_cache_exact=s.prefix_cache_exact, decode_steps=s.decode_steps,
+                         batch_invariant=s.batch_invariant).start()
     renderer = ChatRenderer(self.tokenizer, cfg.vision.num_patches if cfg.vision.enabled else 0)
     # Routing is always recorded (the mismatch metric); config.rl.routing_replay replays it.
     self.moe = any(k == "moe" for k in cfg.ffn_kinds)
