@@ -158,16 +158,16 @@ def run(a: argparse.Namespace) -> dict:
   parts_ms = sum(r["ms"] for r in rows)
   rows.append({"part": "rest (step - parts)", "layers": None, "ms_each": None, "ms": 1e3 * step - parts_ms,
                "gflops": None})
-  print(f"config {'tiny' if a.quick else 'small'}, {b} x {t} tokens, remat none, backend {jax.default_backend()}; "
-        f"peak (bf16 x bf16 -> f32 matmul, measured here) {peak / 1e9:.1f} GFLOP/s; train step "
+  print(f"config {'tiny' if a.quick else 'small'}, {b} x {t} tokens, remat none, "
+        f"backend {jax.default_backend()}; peak (bf16 x bf16 -> f32 matmul, measured here) {peak / 1e9:.1f} GFLOP/s; train step "
         f"{1e3 * step:.1f} ms ({3 * per_token['forward'] * b * t / step / peak:.1%} MFU)")
   print(f"{'part':<22} {'layers':>6} {'ms each':>8} {'ms':>8} {'% step':>7} {'GFLOP/s':>8} {'of peak':>8}")
   for r in rows:
     each = "" if r["ms_each"] is None else f"{r['ms_each']:.1f}"
     rate = "" if r["gflops"] is None else f"{r['gflops']:.1f}"
     frac = "" if r["gflops"] is None else f"{100 * r['gflops'] * 1e9 / peak:.1f}%"
-    print(f"{r['part']:<22} {r['layers'] or '':>6} {each:>8} {r['ms']:>8.1f} {100 * r['ms'] / (1e3 * step):>6.1f}% "
-          f"{rate:>8} {frac:>8}")
+    share = 100 * r["ms"] / (1e3 * step)
+    print(f"{r['part']:<22} {r['layers'] or '':>6} {each:>8} {r['ms']:>8.1f} {share:>6.1f}% {rate:>8} {frac:>8}")
   return {"step_ms": 1e3 * step, "peak_gflops": peak / 1e9,
           "share": {r["part"]: round(r["ms"] / (1e3 * step), 4) for r in rows},
           "gflops": {r["part"]: round(r["gflops"], 1) for r in rows if r["gflops"] is not None}}
