@@ -28,8 +28,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
-import time
 from collections.abc import Callable
 
 import jax
@@ -39,6 +37,7 @@ import optax
 from flax import nnx
 
 from configs import horizon
+from experiments.bench.common import median_seconds
 from experiments.bench.train_step import _batch, _time_step
 from model import flops
 from model.config import ModelConfig
@@ -55,13 +54,7 @@ _FLOPS = {"dsa": ("dsa_projections", "indexer_projections", "dsa_attention", "in
 
 def _median_seconds(fn: Callable, args: tuple, reps: int) -> float:
   jax.block_until_ready(fn(*args))  # compile
-  jax.block_until_ready(fn(*args))  # warm
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
+  return median_seconds(fn, args, reps)  # after a warm-up call
 
 
 def _scalar_aux(aux: dict) -> jax.Array:
@@ -159,7 +152,8 @@ def run(a: argparse.Namespace) -> dict:
   rows.append({"part": "rest (step - parts)", "layers": None, "ms_each": None, "ms": 1e3 * step - parts_ms,
                "gflops": None})
   print(f"config {'tiny' if a.quick else 'small'}, {b} x {t} tokens, remat none, "
-        f"backend {jax.default_backend()}; peak (bf16 x bf16 -> f32 matmul, measured here) {peak / 1e9:.1f} GFLOP/s; train step "
+        f"backend {jax.default_backend()}; peak (bf16 x bf16 -> f32 matmul, measured here) "
+        f"{peak / 1e9:.1f} GFLOP/s; train step "
         f"{1e3 * step:.1f} ms ({3 * per_token['forward'] * b * t / step / peak:.1%} MFU)")
   print(f"{'part':<22} {'layers':>6} {'ms each':>8} {'ms':>8} {'% step':>7} {'GFLOP/s':>8} {'of peak':>8}")
   for r in rows:
@@ -167,7 +161,8 @@ def run(a: argparse.Namespace) -> dict:
     rate = "" if r["gflops"] is None else f"{r['gflops']:.1f}"
     frac = "" if r["gflops"] is None else f"{100 * r['gflops'] * 1e9 / peak:.1f}%"
     share = 100 * r["ms"] / (1e3 * step)
-    print(f"{r['part']:<22} {r['layers'] or '':>6} {each:>8} {r['ms']:>8.1f} {share:>6.1f}% {rate:>8} {frac:>8}")
+    layers = r["layers"] or ""
+    print(f"{r['part']:<22} {layers:>6} {each:>8} {r['ms']:>8.1f} {share:>6.1f}% {rate:>8} {frac:>8}")
   return {"step_ms": 1e3 * step, "peak_gflops": peak / 1e9,
           "share": {r["part"]: round(r["ms"] / (1e3 * step), 4) for r in rows},
           "gflops": {r["part"]: round(r["gflops"], 1) for r in rows if r["gflops"] is not None}}
