@@ -19,8 +19,9 @@ parameters and its input -- the work the part adds to the step:
 A part's time is the median of --reps calls, times the layers it occurs in. What the parts do
 not cover ("rest": the embedding gather, residual glue, the loss's reductions and the step's
 metrics, and whatever XLA gains or loses by compiling the parts together) is the step minus their
-sum. Achieved FLOP/s per part = 3 x its forward FLOPs (`model.flops.flops_per_token`) x tokens /
-its time. The last line is a JSON object with each part's share of the step.
+sum (at --quick's millisecond parts, timing noise can make it negative). Achieved FLOP/s per
+part = 3 x its forward FLOPs (`model.flops.flops_per_token`) x tokens / its time. The last
+line is a JSON object with each part's share of the step.
 """
 
 from __future__ import annotations
