@@ -3,9 +3,11 @@
     python -m experiments.bench.train_step_parts            # small, 8 x 256 tokens
     python -m experiments.bench.train_step_parts --quick    # tiny, 2 x 64 (seconds)
 
-In one process: the bf16 peak (`training.metrics.measure_peak_flops`), the whole train step
-(`experiments.bench.train_step`, remat none, backward products in the compute dtype), and then each
-part on the step's activations ([b, t, d] in the compute dtype, random), jitted as `jax.grad` of
+In one process: the bf16 peak (`training.metrics.measure_peak_flops`); the whole train step
+(`training.train_step.train_step` jitted as the trainer does, remat none, backward products in the
+compute dtype) and the same step with a plain SGD update (behind the same non-finite skip) in place
+of `make_optimizer`'s clipping, AdamW and leaf groups, timed alternately; then each part of the model on the
+step's activations ([b, t, d] in the compute dtype, random), jitted as `jax.grad` of
 sum(output x a random cotangent) + the part's auxiliary losses, with respect to the part's
 parameters and its input -- the work the part adds to the step:
 
@@ -13,15 +15,16 @@ parameters and its input -- the work the part adds to the step:
   top-k, sparse attention, the indexer's KL loss; delta: projections, conv, the chunked rule);
   FFN (dense / MoE): `Block._ffn(x)` (norm, router, routed and shared experts, the residual);
   LM head: final norm, logits and the cross-entropy against random targets;
-  optimizer: the update `training.train_step.make_optimizer` makes (clipping, AdamW, the
-  non-finite skip, leaf groups) and its application, on gradients the shape of the parameters.
+  optimizer: the step minus the SGD step, i.e. clipping + AdamW beyond SGD, timed inside the
+  step (an elementwise update over every parameter timed alone ran 3-4x slower here with its
+  buffers donated, as the step's are, than without; the whole step showed no such difference).
 
 A part's time is the median of --reps calls, times the layers it occurs in. What the parts do
-not cover ("rest": the embedding gather, residual glue, the loss's reductions and the step's
-metrics, and whatever XLA gains or loses by compiling the parts together) is the step minus their
-sum (at --quick's millisecond parts, timing noise can make it negative). Achieved FLOP/s per
-part = 3 x its forward FLOPs (`model.flops.flops_per_token`) x tokens / its time. The last
-line is a JSON object with each part's share of the step.
+not cover ("rest": the SGD update, the embedding gather, residual glue, the loss's reductions and
+the step's metrics, and whatever XLA gains or loses by compiling the parts together) is the SGD
+step minus their sum (at --quick's millisecond parts, timing noise can make it negative).
+Achieved FLOP/s per part = 3 x its forward FLOPs (`model.flops.flops_per_token`) x tokens / its
+time. The last line is a JSON object with each part's share of the step.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
+import time
 from collections.abc import Callable
 
 import jax
@@ -39,12 +44,12 @@ from flax import nnx
 
 from configs import horizon
 from experiments.bench.common import median_seconds
-from experiments.bench.train_step import _batch, _time_step
+from experiments.bench.train_step import _batch
 from model import flops
 from model.config import ModelConfig
 from model.decoder import Horizon
 from training import metrics
-from training.train_step import TrainConfig, make_optimizer, token_cross_entropy
+from training.train_step import TrainConfig, make_optimizer, token_cross_entropy, train_step
 
 # Forward FLOP components of model.flops per part (divided by the layers the part occurs in).
 _FLOPS = {"dsa": ("dsa_projections", "indexer_projections", "dsa_attention", "indexer_scores",
@@ -115,16 +120,23 @@ def _parts(model: Horizon, b: int, t: int, seed: int = 0) -> list[tuple[str, str
   return out
 
 
-def _optimizer_part(model: Horizon, tc: TrainConfig) -> tuple[Callable, tuple]:
-  tx = make_optimizer(tc)
-  params = nnx.state(model, nnx.Param)
-  state = tx.init(params)
-  grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-3), params)
-
-  def update(g, s, p):
-    updates, s = tx.update(g, s, p)
-    return optax.apply_updates(p, updates), s
-  return jax.jit(update), (grads, state, params)
+def _step_and_sgd_step(cfg: ModelConfig, tc: TrainConfig, batch, reps: int) -> tuple[float, float]:
+  """Median seconds of the train step and of the same step with optax.sgd, timed alternately."""
+  runs = []
+  sgd = optax.apply_if_finite(optax.sgd(1e-4), max_consecutive_errors=1 << 30)  # the step reads its counts
+  for tx in (make_optimizer(tc), sgd):
+    model = Horizon(cfg, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    step = nnx.jit(train_step, static_argnames=("tc",), donate_argnums=(0, 1))
+    for _ in range(2):  # compile, warm up
+      jax.block_until_ready(step(model, optimizer, batch, tc))
+    runs.append((step, model, optimizer, []))
+  for _ in range(reps):
+    for step, model, optimizer, times in runs:
+      t0 = time.perf_counter()
+      jax.block_until_ready(step(model, optimizer, batch, tc))
+      times.append(time.perf_counter() - t0)
+  return statistics.median(runs[0][3]), statistics.median(runs[1][3])
 
 
 def run(a: argparse.Namespace) -> dict:
@@ -135,7 +147,7 @@ def run(a: argparse.Namespace) -> dict:
                            seq_len=a.seq_len or (64 if a.quick else tc.seq_len))
   b, t = tc.global_batch, tc.seq_len
   peak = metrics.measure_peak_flops(1024 if a.quick else a.peak_n, a.reps)
-  step = _time_step(cfg, tc, _batch(b, t), a.reps, float("inf"))["seconds"]
+  step, sgd_step = _step_and_sgd_step(cfg, tc, _batch(b, t), a.reps)
   model = Horizon(cfg, rngs=nnx.Rngs(0))
   per_token = flops.flops_per_token(cfg, t)
   n_kind = {"dsa": cfg.layer_kinds.count("dsa"), "delta": cfg.layer_kinds.count("delta"),
@@ -146,24 +158,22 @@ def run(a: argparse.Namespace) -> dict:
     train_flops = 3 * sum(per_token[c] for c in _FLOPS[key]) / n_kind[key] * b * t  # one layer
     rows.append({"part": name, "layers": layers, "ms_each": 1e3 * s, "ms": 1e3 * s * layers,
                  "gflops": train_flops / s / 1e9})
-  fn, args = _optimizer_part(model, tc)
-  s = _median_seconds(fn, args, a.reps)
-  rows.append({"part": "optimizer", "layers": 1, "ms_each": 1e3 * s, "ms": 1e3 * s, "gflops": None})
-  parts_ms = sum(r["ms"] for r in rows)
-  rows.append({"part": "rest (step - parts)", "layers": None, "ms_each": None, "ms": 1e3 * step - parts_ms,
-               "gflops": None})
+  rows.append({"part": "optimizer (step - SGD step)", "layers": 1, "ms_each": None,
+               "ms": 1e3 * (step - sgd_step), "gflops": None})
+  rows.append({"part": "rest (SGD step - parts)", "layers": None, "ms_each": None,
+               "ms": 1e3 * sgd_step - sum(r["ms"] for r in rows[:-1]), "gflops": None})
   print(f"config {'tiny' if a.quick else 'small'}, {b} x {t} tokens, remat none, "
         f"backend {jax.default_backend()}; peak (bf16 x bf16 -> f32 matmul, measured here) "
         f"{peak / 1e9:.1f} GFLOP/s; train step "
         f"{1e3 * step:.1f} ms ({3 * per_token['forward'] * b * t / step / peak:.1%} MFU)")
-  print(f"{'part':<22} {'layers':>6} {'ms each':>8} {'ms':>8} {'% step':>7} {'GFLOP/s':>8} {'of peak':>8}")
+  print(f"{'part':<27} {'layers':>6} {'ms each':>8} {'ms':>8} {'% step':>7} {'GFLOP/s':>8} {'of peak':>8}")
   for r in rows:
     each = "" if r["ms_each"] is None else f"{r['ms_each']:.1f}"
     rate = "" if r["gflops"] is None else f"{r['gflops']:.1f}"
     frac = "" if r["gflops"] is None else f"{100 * r['gflops'] * 1e9 / peak:.1f}%"
     share = 100 * r["ms"] / (1e3 * step)
     layers = r["layers"] or ""
-    print(f"{r['part']:<22} {layers:>6} {each:>8} {r['ms']:>8.1f} {share:>6.1f}% {rate:>8} {frac:>8}")
+    print(f"{r['part']:<27} {layers:>6} {each:>8} {r['ms']:>8.1f} {share:>6.1f}% {rate:>8} {frac:>8}")
   return {"step_ms": 1e3 * step, "peak_gflops": peak / 1e9,
           "share": {r["part"]: round(r["ms"] / (1e3 * step), 4) for r in rows},
           "gflops": {r["part"]: round(r["gflops"], 1) for r in rows if r["gflops"] is not None}}
