@@ -1,13 +1,15 @@
 """Test helpers: the one tolerance helper keyed by dtype (STYLE.md #6, in training/tolerance.py so
-benchmarks share it; never loosen to pass), the environment of a test's child JAX process, and a
-stand-in for the engine driving a token processor."""
+benchmarks share it; never loosen to pass), the environment of a test's child JAX process, a
+stand-in for the engine driving a token processor, and random inputs with packed segments."""
 
+import jax.numpy as jnp
 import numpy as np
 
 from training.tolerance import RTOL, assert_close, rel_err
 
 __all__ = ["RTOL", "assert_close", "child_xla_flags", "compile_cache_env", "drive_processor",
-           "kill_once_saved", "model_like", "rel_err", "subprocess_env", "text_tokens"]
+           "kill_once_saved", "model_like", "normal_data", "packed_segments", "rel_err", "row_positions",
+           "segment_positions", "subprocess_env", "text_tokens"]
 
 # The persistent compile cache's size cap: jax evicts least-recently-used entries past it (under a
 # file lock shared by the processes using the folder), so /tmp does not grow run after run.
@@ -129,3 +131,30 @@ def text_tokens(cfg, shape, seed=0):
   import jax.numpy as jnp
   return jnp.asarray(np.random.default_rng(seed).integers(0, cfg.image_token_id, shape), jnp.int32)
 
+
+def normal_data(seed, shape):
+  """Random f32 normal data (numpy: no compile per shape)."""
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, np.float32))
+
+
+def packed_segments(b, t, cuts):
+  """[b, t] segment ids: row r changes segment at each position in cuts[r]."""
+  seg = np.zeros((b, t), np.int32)
+  for r, cs in enumerate(cuts):
+    for c in cs:
+      seg[r, c:] += 1
+  return jnp.asarray(seg)
+
+
+def segment_positions(seg):
+  """Positions that restart at 0 at every segment start (packed sequences)."""
+  seg = np.asarray(seg)
+  pos = np.zeros(seg.shape, np.int32)
+  for i in range(1, seg.shape[1]):
+    pos[:, i] = np.where(seg[:, i] == seg[:, i - 1], pos[:, i - 1] + 1, 0)
+  return jnp.asarray(pos)
+
+
+def row_positions(b, t):
+  """Positions 0..t-1 in each of b rows."""
+  return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))

@@ -1,4 +1,4 @@
-"""Tests for model/attention/sparse.py and model/attention/dsa.py (Gated DSA).
+"""Tests for model/attention/dsa.py (Gated DSA); its sparse kernels: tests/test_dsa_sparse.py.
 
 Every fast path is checked against a plain dense reference on random, odd-sized
 inputs, forward and gradients, in f32. The layer reference below is written
@@ -15,179 +15,9 @@ import pytest
 from flax import nnx
 from jax.test_util import check_grads
 
-from model.attention import sparse
 from model.attention.dsa import GatedDSA
 from model.layers import apply_rope, scatter_set
-from pallas_kernels.indexer_topk import reference as topk_ref
-from pallas_kernels.sparse_attention import reference as attn_ref
-from tests.helpers import assert_close
-
-
-def _normal(seed, shape):
-  """Random f32 normal data (numpy: no compile per shape)."""
-  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, np.float32))
-
-
-def _segments(b, t, cuts):
-  """[b, t] segment ids: row r changes segment at each position in cuts[r]."""
-  seg = np.zeros((b, t), np.int32)
-  for r, cs in enumerate(cuts):
-    for c in cs:
-      seg[r, c:] += 1
-  return jnp.asarray(seg)
-
-
-def _positions(seg):
-  """Positions that restart at 0 at every segment start (packed sequences)."""
-  seg = np.asarray(seg)
-  pos = np.zeros(seg.shape, np.int32)
-  for i in range(1, seg.shape[1]):
-    pos[:, i] = np.where(seg[:, i] == seg[:, i - 1], pos[:, i - 1] + 1, 0)
-  return jnp.asarray(pos)
-
-
-def _seq(b, t):
-  return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-
-
-def _indexer_inputs(key, b, t, s, h=3, k=5):
-  return _normal(key, (b, t, h, k)), _normal(key + 1, (b, t, h)), _normal(key + 2, (b, s, k))
-
-
-# ---------------------------------------------------------------------------
-# sparse.py vs the kernels' plain references
-# ---------------------------------------------------------------------------
-@pytest.mark.parametrize("b,t,s,topk,qb,kb", [
-    (2, 37, 37, 16, 8, 16), (2, 37, 37, 16, 16, 8), (1, 37, 37, 16, 5, 7),
-    (1, 23, 41, 9, 64, 64), (2, 19, 19, 3, 4, 32)])
-def test_blockwise_topk_matches_dense(b, t, s, topk, qb, kb):
-  q, w, k = _indexer_inputs(0, b, t, s)
-  q_pos, k_pos = _seq(b, t) + (s - t), _seq(b, s)
-  q_seg = _segments(b, t, [[9], [20]][:b])
-  k_seg = _segments(b, s, [[9 + s - t], [20 + s - t]][:b])
-
-  @jax.jit
-  def run(q, w, k):
-    idx, valid = sparse.blockwise_topk(q, w, k, q_pos, q_seg, k_pos, k_seg, topk, qb, kb)
-    mask = topk_ref.allowed_mask(q_pos, q_seg, k_pos, k_seg)
-    scores = topk_ref.indexer_scores_dense(q, w, k)
-    ref_vals = jax.lax.top_k(jnp.where(mask, scores, -jnp.inf), topk)[0]
-    return idx, valid, mask, ref_vals, jnp.take_along_axis(scores, idx, axis=-1)
-
-  idx, valid, mask, ref_vals, got = run(q, w, k)
-  assert idx.shape == (b, t, topk) and idx.dtype == jnp.int32 and valid.shape == (b, t, topk)
-  n_allowed = mask.sum(-1)
-  np.testing.assert_array_equal(valid.sum(-1), jnp.minimum(n_allowed, topk))
-  assert bool(jnp.all(jnp.take_along_axis(mask, idx, axis=-1) | ~valid)), "selected a masked key"
-  got_sorted = -jnp.sort(-jnp.where(valid, got, -jnp.inf), axis=-1)
-  ok = jnp.isfinite(ref_vals)
-  np.testing.assert_array_equal(jnp.isfinite(got_sorted), ok)
-  assert_close(jnp.where(ok, got_sorted, 0), jnp.where(ok, ref_vals, 0), what="top-k score values")
-  for r in range(b):  # the selected keys are distinct
-    for i in range(t):
-      sel = np.asarray(idx[r, i])[np.asarray(valid[r, i])]
-      assert len(set(sel.tolist())) == len(sel)
-
-
-def test_blockwise_topk_more_slots_than_keys_and_cache_slots():
-  """topk > allowed keys: extra slots invalid; k_seg < 0 (unfilled cache) never picked."""
-  b, t, s = 2, 3, 29
-  q, w, k = _indexer_inputs(10, b, t, s)
-  lengths = jnp.array([11, 17])
-  q_pos = lengths[:, None] - t + jnp.arange(t)
-  k_pos = _seq(b, s)
-  k_seg = jnp.where(k_pos < lengths[:, None], 0, -1)
-  topk = jax.jit(sparse.blockwise_topk, static_argnums=(7, 8, 9))
-  idx, valid = topk(q, w, k, q_pos, jnp.zeros((b, t), jnp.int32), k_pos, k_seg, 32, 2, 8)
-  np.testing.assert_array_equal(valid.sum(-1), q_pos + 1)
-  assert bool(jnp.all(jnp.where(valid, idx <= q_pos[..., None], True)))
-  assert bool(jnp.all(jnp.where(valid, 0, idx) == 0))
-
-
-def _selected_mask(idx, valid, s):
-  return jnp.any((idx[..., None] == jnp.arange(s)) & valid[..., None], axis=2)
-
-
-def _mqa_case(b=2, t=37, s=37, h=3, c=7, p=4, topk=16, seed=20):
-  q_lat, q_rope = _normal(seed, (b, t, h, c)), _normal(seed + 1, (b, t, h, p))
-  latent, k_rope = _normal(seed + 2, (b, s, c)), _normal(seed + 3, (b, s, p))
-  qi, wi, ki = _indexer_inputs(seed + 4, b, t, s)
-  q_seg = _segments(b, t, [[12], [30]][:b]).at[0, -2:].set(-1)  # padded queries: no key
-  k_seg = q_seg if s == t else jnp.zeros((b, s), jnp.int32)
-  topk_fn = jax.jit(sparse.blockwise_topk, static_argnums=(7, 8, 9))
-  idx, valid = topk_fn(qi, wi, ki, _seq(b, t), q_seg, _seq(b, s), k_seg, topk, 8, 16)
-  return (q_lat, q_rope, latent, k_rope), idx, valid
-
-
-@pytest.mark.parametrize("case,qb", [({}, 8), ({}, 5), ({}, 64), (
-    {"b": 1, "t": 23, "s": 41, "h": 5, "c": 11, "p": 3, "topk": 9, "seed": 30}, 7)])
-def test_sparse_mqa_matches_dense_on_selected_set(case, qb):
-  args, idx, valid = _mqa_case(**case)
-  s, scale = args[2].shape[1], 0.37
-  mask = _selected_mask(idx, valid, s)
-  cot = _normal(99, args[0].shape)
-
-  cot_p = _normal(98, idx.shape)
-
-  def fast(*a):
-    return sparse.sparse_mqa_attention(*a, idx, valid, scale, qb)
-
-  def ref(*a):
-    out, p = attn_ref.dense_mqa_attention(*a, mask, scale)
-    return out, jnp.where(valid, jnp.take_along_axis(p, idx, axis=-1), 0.0)
-
-  def run(f):
-    loss = lambda *a: (jnp.sum(f(*a)[0] * cot) + jnp.sum(f(*a)[1] * cot_p), f(*a))
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(*args)
-
-  (_, (out, p_sel)), g = run(fast)
-  (_, (out_r, p_r)), g_r = run(ref)
-  assert_close(out, out_r, what="out_lat")
-  assert_close(p_sel, p_r, what="p_sel")
-  if not case:
-    assert float(jnp.abs(out[0, -2:]).max()) == 0.0  # rows with no valid slot
-  np.testing.assert_allclose(p_sel.sum(-1)[valid.any(-1)], 1.0, rtol=1e-5)
-  for name, a, e in zip(("q_lat", "q_rope", "latent", "k_rope"), g, g_r, strict=True):
-    assert_close(a, e, what=f"grad {name}")
-
-
-def test_sparse_mqa_check_grads():
-  args, idx, valid = _mqa_case(b=1, t=5, s=6, h=2, c=3, p=2, topk=4, seed=40)
-  f = lambda *a: sparse.sparse_mqa_attention(*a, idx, valid, 0.5, 2)[0]
-  check_grads(jax.jit(f), args, order=1, modes=["rev"], eps=1e-3)
-
-
-def test_selected_indexer_scores_matches_dense():
-  b, t, s = 2, 13, 17
-  q, w, k = _indexer_inputs(50, b, t, s)
-  idx = jnp.asarray(np.random.default_rng(51).integers(0, s, (b, t, 6), np.int32))
-  cot = _normal(52, (b, t, 6))
-  fast = lambda q, w, k: sparse.selected_indexer_scores(q, w, k, idx, 4)
-  ref = lambda q, w, k: jnp.take_along_axis(topk_ref.indexer_scores_dense(q, w, k), idx, axis=-1)
-  def run(f):
-    loss = lambda *a: (jnp.sum(f(*a) * cot), f(*a))
-    return jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(q, w, k)
-
-  (got, g), (want, g_r) = run(fast), run(ref)
-  assert_close(got[1], want[1], what="scores")
-  for a, e in zip(g, g_r, strict=True):
-    assert_close(a, e, what="score grads")
-
-
-def test_sparse_bad_shapes():
-  q, w, k = _indexer_inputs(0, 1, 5, 5)
-  pos = _seq(1, 5)
-  with pytest.raises(ValueError, match="w_idx"):
-    sparse.blockwise_topk(q, w[:, :, :2], k, pos, pos, pos, pos, 2, 4, 4)
-  with pytest.raises(ValueError, match="k_pos"):
-    sparse.blockwise_topk(q, w, k, pos, pos, pos[:, :3], pos, 2, 4, 4)
-  with pytest.raises(ValueError, match="topk"):
-    sparse.blockwise_topk(q, w, k, pos, pos, pos, pos, 0, 4, 4)
-  (ql, qr, lat, kr), idx, valid = _mqa_case(b=1, t=5, s=6, h=2, c=3, p=2, topk=4)
-  with pytest.raises(ValueError, match="idx and valid"):
-    sparse.sparse_mqa_attention(ql, qr, lat, kr, idx[:, :3], valid, 1.0, 2)
-  with pytest.raises(ValueError, match="k_rope"):
-    sparse.sparse_mqa_attention(ql, qr, lat, kr[..., :1], idx, valid, 1.0, 2)
+from tests.helpers import assert_close, normal_data, packed_segments, row_positions, segment_positions
 
 
 # ---------------------------------------------------------------------------
@@ -334,10 +164,10 @@ def test_layer_matches_dense_reference(tiny_cfg, stage, t, segs):
   cfg = tiny_cfg.replace(indexer_stage=stage)
   _, graphdef, params, rest = _make(cfg, seed=1)
   b = 2
-  x = _normal(60 + t, (b, t, cfg.d_model))
-  seg = _segments(b, t, [segs, []])
-  pos = _positions(seg)
-  cot = _normal(7, x.shape)
+  x = normal_data(60 + t, (b, t, cfg.d_model))
+  seg = packed_segments(b, t, [segs, []])
+  pos = segment_positions(seg)
+  cot = normal_data(7, x.shape)
   p = nnx.to_pure_dict(params)
   sparse_topk = stage == "sparse"
   if sparse_topk:
@@ -376,10 +206,10 @@ def test_topk_covering_every_key_takes_the_dense_path(tiny_cfg):
   cfg = tiny_cfg.replace(indexer_stage="sparse")
   t = cfg.index_topk - 3
   _, graphdef, params, rest = _make(cfg, seed=5)
-  x = _normal(90, (2, t, cfg.d_model))
-  seg = _segments(2, t, [[6], []])
-  pos = _positions(seg)
-  cot = _normal(91, x.shape)
+  x = normal_data(90, (2, t, cfg.d_model))
+  seg = packed_segments(2, t, [[6], []])
+  pos = segment_positions(seg)
+  cot = normal_data(91, x.shape)
   y_d, loss_d, (gp_d, gx_d) = _path_grads(graphdef, False, params, rest, x, pos, seg, cot)
   y_s, loss_s, (gp_s, gx_s) = _path_grads(graphdef, True, params, rest, x, pos, seg, cot)
   y, loss = _layer_fwd(graphdef, params, rest, x, pos, seg)
@@ -396,8 +226,8 @@ def test_topk_covering_every_key_takes_the_dense_path(tiny_cfg):
 
 def test_layer_check_grads(tiny_cfg):
   _, graphdef, params, rest = _make(tiny_cfg, seed=3)
-  x = _normal(80, (1, 5, tiny_cfg.d_model))
-  pos, seg = _seq(1, 5), jnp.zeros((1, 5), jnp.int32)
+  x = normal_data(80, (1, 5, tiny_cfg.d_model))
+  pos, seg = row_positions(1, 5), jnp.zeros((1, 5), jnp.int32)
   f = lambda x: _layer_fwd(graphdef, params, rest, x, pos, seg)[0]
   check_grads(f, (x,), order=1, modes=["rev"], eps=1e-3)
 
@@ -406,12 +236,12 @@ def test_packed_segments_do_not_mix(tiny_cfg):
   """Two segments packed in one row == each segment run alone with positions from 0."""
   _, graphdef, params, rest = _make(tiny_cfg, seed=4)
   cut, t = 15, 37
-  x = _normal(90, (2, t, tiny_cfg.d_model))
-  seg = _segments(2, t, [[cut], [cut]])
-  y, _ = _layer_fwd(graphdef, params, rest, x, _positions(seg), seg)
+  x = normal_data(90, (2, t, tiny_cfg.d_model))
+  seg = packed_segments(2, t, [[cut], [cut]])
+  y, _ = _layer_fwd(graphdef, params, rest, x, segment_positions(seg), seg)
   # Alone: row 0 = segment A (+ trailing tokens it cannot see), row 1 = segment B.
   x_alone = jnp.stack([x[0, :t - cut], x[0, cut:]])
-  y_alone, _ = _layer_fwd(graphdef, params, rest, x_alone, _seq(2, t - cut),
+  y_alone, _ = _layer_fwd(graphdef, params, rest, x_alone, row_positions(2, t - cut),
                           jnp.zeros((2, t - cut), jnp.int32))
   assert_close(y[0, :cut], y_alone[0, :cut], what="segment A")
   assert_close(y[0, cut:], y_alone[1], what="segment B")
@@ -422,8 +252,8 @@ def test_indexer_loss_trains_only_the_indexer(tiny_cfg, stage):
   cfg = tiny_cfg.replace(indexer_stage=stage)
   _, graphdef, params, rest = _make(cfg, seed=5)
   b, t = 2, 37
-  x, seg = _normal(100, (b, t, cfg.d_model)), _segments(b, t, [[11], []])
-  _, loss, _, (g_p, g_x) = _layer_grads(graphdef, params, rest, x, _positions(seg), seg,
+  x, seg = normal_data(100, (b, t, cfg.d_model)), packed_segments(b, t, [[11], []])
+  _, loss, _, (g_p, g_x) = _layer_grads(graphdef, params, rest, x, segment_positions(seg), seg,
                                         jnp.ones_like(x))
   assert np.isfinite(float(loss)) and float(loss) > 0
   assert float(jnp.abs(g_x).max()) == 0.0
@@ -444,8 +274,8 @@ def _extend(graphdef, params, rest, x, valid, cache):
 def test_extend_whole_sequence_equals_call(tiny_cfg):
   layer, graphdef, params, rest = _make(tiny_cfg, seed=6)
   b, t = 2, 37
-  x = _normal(110, (b, t, tiny_cfg.d_model))
-  y, _ = _layer_fwd(graphdef, params, rest, x, _seq(b, t), jnp.zeros((b, t), jnp.int32))
+  x = normal_data(110, (b, t, tiny_cfg.d_model))
+  y, _ = _layer_fwd(graphdef, params, rest, x, row_positions(b, t), jnp.zeros((b, t), jnp.int32))
   y_ext, cache = _extend(graphdef, params, rest, x, jnp.ones((b, t), bool), layer.init_cache(b, 45))
   assert_close(y_ext, y, what="extend vs call")
   np.testing.assert_array_equal(cache.lengths, [t, t])
@@ -458,8 +288,8 @@ def test_prefill_then_decode_matches_call(tiny_cfg):
   layer, graphdef, params, rest = _make(tiny_cfg, seed=7)
   total, prompt = np.array([29, 23]), np.array([13, 4])
   # Tokens past a row's total are never fed; causality keeps them out of its reference outputs.
-  x_all = _normal(120, (2, 37, tiny_cfg.d_model))
-  y_ref, _ = _layer_fwd(graphdef, params, rest, x_all, _seq(2, 37), jnp.zeros((2, 37), jnp.int32))
+  x_all = normal_data(120, (2, 37, tiny_cfg.d_model))
+  y_ref, _ = _layer_fwd(graphdef, params, rest, x_all, row_positions(2, 37), jnp.zeros((2, 37), jnp.int32))
   cache = layer.init_cache(2, 40)
   outs, fed = [[], []], np.zeros(2, int)
   steps = total - prompt
@@ -479,8 +309,8 @@ def test_prefill_then_decode_matches_call(tiny_cfg):
 
 def test_layer_bad_inputs(tiny_cfg):
   layer = _make(tiny_cfg, seed=8)[0]
-  x = _normal(130, (1, 5, tiny_cfg.d_model))
-  pos, seg = _seq(1, 5), jnp.zeros((1, 5), jnp.int32)
+  x = normal_data(130, (1, 5, tiny_cfg.d_model))
+  pos, seg = row_positions(1, 5), jnp.zeros((1, 5), jnp.int32)
   with pytest.raises(ValueError, match="d_model"):
     layer(x[..., :-1], pos, seg)
   with pytest.raises(ValueError, match="positions"):
@@ -489,7 +319,7 @@ def test_layer_bad_inputs(tiny_cfg):
     layer(x, pos, seg.astype(jnp.float32))
   cache = layer.init_cache(1, 6)
   with pytest.raises(ValueError, match="max_len"):
-    layer.extend(_normal(131, (1, 7, tiny_cfg.d_model)), jnp.ones((1, 7), bool), cache)
+    layer.extend(normal_data(131, (1, 7, tiny_cfg.d_model)), jnp.ones((1, 7), bool), cache)
   cache = cache.replace(lengths=jnp.array([5], jnp.int32))
   with pytest.raises(ValueError, match="max_len"):
     layer.extend(x[:, :2], jnp.ones((1, 2), bool), cache)
