@@ -165,15 +165,42 @@ def einsum_f32(spec: str, x: jax.Array, y: jax.Array) -> jax.Array:
   return jnp.einsum(spec, x, y.astype(x.dtype), preferred_element_type=jnp.float32)
 
 
+def _is_16_bit_float(dtype) -> bool:
+  return jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize == 2
+
+
+def to_bits(x: jax.Array) -> jax.Array:
+  """A 16-bit float array as its uint16 bits (other dtypes unchanged); `from_bits` inverts it."""
+  return jax.lax.bitcast_convert_type(x, jnp.uint16) if _is_16_bit_float(x.dtype) else x
+
+
+def from_bits(x: jax.Array, dtype) -> jax.Array:
+  """`to_bits`'s inverse: x as `dtype` (uint16 bits reinterpreted when dtype is a 16-bit float)."""
+  return jax.lax.bitcast_convert_type(x, dtype) if _is_16_bit_float(dtype) else x
+
+
 def scatter_set(buf: jax.Array, index, new: jax.Array, mode: str | None = None) -> jax.Array:
   """`buf.at[index].set(new)` with `new` cast to buf's dtype; 16-bit floats move as uint16, the same
   bits: XLA:CPU computes a bf16/f16 scatter in f32, converting the whole buffer there and back (a
   decode step's cache write then costs the whole cache, not the new token). Not differentiable."""
-  new = new.astype(buf.dtype)
-  if jnp.issubdtype(buf.dtype, jnp.floating) and jnp.dtype(buf.dtype).itemsize == 2:
-    bits = jax.lax.bitcast_convert_type
-    return bits(bits(buf, jnp.uint16).at[index].set(bits(new, jnp.uint16), mode=mode), buf.dtype)
-  return buf.at[index].set(new, mode=mode)
+  new = to_bits(new.astype(buf.dtype))
+  return from_bits(to_bits(buf).at[index].set(new, mode=mode), buf.dtype)
+
+
+def update_slice(buf: jax.Array, new: jax.Array, starts, keep_old: jax.Array | None = None) -> jax.Array:
+  """`lax.dynamic_update_slice(buf, new, starts)` with `new` cast to buf's dtype, and, where
+  `keep_old` (broadcast to new's shape) is True, buf's old values kept.
+
+  16-bit floats move as uint16 bits, as in `scatter_set`: XLA:CPU computes a bf16 update (and a
+  bf16 select) in f32, converting the whole buffer there and back. Inside a loop, carry the buffer
+  as `to_bits` and write `to_bits(new)`: the update is then in place, where a bitcast back after
+  it would still make the loop rewrite the whole buffer at every iteration. Not differentiable.
+  """
+  bits = to_bits(buf)
+  new = to_bits(new.astype(buf.dtype))
+  if keep_old is not None:
+    new = jnp.where(keep_old, jax.lax.dynamic_slice(bits, starts, new.shape), new)
+  return from_bits(jax.lax.dynamic_update_slice(bits, new, starts), buf.dtype)
 
 
 def rms_norm(x: jax.Array, scale: jax.Array | None, eps: float) -> jax.Array:

@@ -34,7 +34,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from model.layers import einsum, einsum_f32
+from model.layers import einsum, einsum_f32, from_bits, to_bits, update_slice
 
 DEFAULT_TILE = 32
 
@@ -71,9 +71,10 @@ def _pad_rows(a, n: int):
 
 
 def _tile_write(buf, start, mask, new):
-  """buf[start:start+m] = new where mask (rows past the tile's run belong to the next expert)."""
-  old = jax.lax.dynamic_slice_in_dim(buf, start, mask.shape[0])
-  return jax.lax.dynamic_update_slice_in_dim(buf, jnp.where(mask, new.astype(buf.dtype), old), start, 0)
+  """buf[start:start+m] = new where mask (rows past the tile's run belong to the next expert).
+
+  buf is a loop carry in `to_bits` form (uint16 for 16-bit floats, so the write is in place)."""
+  return update_slice(buf, to_bits(new), (start, 0), keep_old=~mask)
 
 
 def _accumulate(buf, i, v):
@@ -108,8 +109,7 @@ def _tiled_fwd(tiles, dtype, xs, phases, w_gate, w_up, w_down):
   f = w_gate.shape[2]
   xs_p = _pad_rows(xs, pad)  # a tile may read up to `pad` rows past the last run
   like = (xs, phases, w_gate, w_up, w_down)
-  carry = (_zeros((rows + pad, d), dtype, like), _zeros((rows + pad, f), dtype, like),
-           _zeros((rows + pad, f), dtype, like))
+  carry = tuple(to_bits(_zeros((rows + pad, n), dtype, like)) for n in (d, f, f))
   for tile, p in zip(tiles, phases, strict=True):
     def body(i, carry, tile=tile, p=p):
       ys, gs, us = carry
@@ -118,9 +118,9 @@ def _tiled_fwd(tiles, dtype, xs, phases, w_gate, w_up, w_down):
       g = einsum("md,df->mf", xt, w_gate[ex], dtype)
       u = einsum("md,df->mf", xt, w_up[ex], dtype)
       y = einsum("mf,fd->md", jax.nn.silu(g) * u, w_down[ex], dtype)
-      return _tile_write(ys, start, mask, y), _tile_write(gs, start, mask, g), _tile_write(us, start, mask, u)
+      return tuple(_tile_write(buf, start, mask, new) for buf, new in ((ys, y), (gs, g), (us, u)))
     carry = jax.lax.fori_loop(0, p["n"], body, carry)
-  ys, gs, us = carry
+  ys, gs, us = (from_bits(buf, dtype) for buf in carry)
   return ys[:rows], (xs_p, phases, w_gate, w_up, w_down, gs, us)
 
 

@@ -124,3 +124,39 @@ def test_reference_check_can_fail():
   y = jax.jit(fast)(*bad)
   y_ref = moe_experts.dense_experts_reference(*args, jnp.float32)
   assert not np.allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-5, atol=1e-5)
+
+
+def _computations(hlo: str) -> dict[str, str]:
+  """Name -> text of each computation in an HLO module's text."""
+  blocks = re.split(r"\n(?=%|ENTRY )", hlo)
+  return {re.match(r"(?:ENTRY )?%?([\w.\-]+)", b).group(1): b for b in blocks if b.strip()}
+
+
+def _loop_converts(hlo: str, rows: int, widths: tuple[int, ...]) -> list[str]:
+  """Converts of a whole [> rows, width] buffer inside a while body (in the fusions it calls)."""
+  comps = _computations(hlo)
+  pattern = rf"(?:f32|bf16)\[(\d+),(?:{'|'.join(map(str, widths))})\]\{{1,0\}} convert\("
+  found = []
+  for body in re.findall(r"body=%([\w.\-]+)", hlo):
+    for name in [body] + re.findall(r"calls=%([\w.\-]+)", comps[body]):
+      found += [f"{name}: [{n}, .]" for n in re.findall(pattern, comps[name]) if int(n) > rows]
+  return found
+
+
+def test_grouped_bf16_writes_tiles_in_place():
+  """In bf16 the tile loops write their row buffers in place: no conversion of a whole [rows, d] or
+  [rows, f] buffer inside a loop of the compiled fwd+bwd (XLA:CPU computes a bf16 update in f32, so
+  a tile write rewrote the whole buffer for every tile), and the bf16 result is still the reference's
+  to bf16 accuracy."""
+  t, e, k, d, f = 64, 8, 2, 16, 24
+  args = _expert_inputs(4, t, e, k, d, f)
+  cot = _normal(jax.random.key(5), (t, d))
+  fast = functools.partial(moe_experts.dropless_experts, dtype=jnp.bfloat16, impl="grouped")
+  loss = lambda *a: jnp.sum(fast(*a).astype(jnp.float32) * cot)
+  hlo = jax.jit(jax.grad(loss, argnums=(0, 2, 3, 4, 5))).lower(*args).compile().as_text()
+  assert re.search(r"body=%", hlo), "the grouped path has no tile loop"
+  assert not _loop_converts(hlo, t * k, (d, f)), _loop_converts(hlo, t * k, (d, f))
+  y = jax.jit(fast)(*args).astype(jnp.float32)
+  y_ref = moe_experts.dense_experts_reference(*args, jnp.float32)
+  scale = float(jnp.max(jnp.abs(y_ref)))
+  assert float(jnp.max(jnp.abs(y - y_ref))) < 2 ** -6 * scale  # a few bf16 roundings of the operands
