@@ -142,3 +142,37 @@ def test_train_step_on_a_repeating_stack_matches_the_plain_optimizer():
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path((p_g, o_g)), jax.tree.leaves((p_p, o_p)),
                           strict=True):
     assert_close(a, b, what=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int32])
+def test_finite_is_all_isfinite(dtype):
+  """`finite` (a sum of x * 0) agrees with all(isfinite) over any axes, for inf, -inf, NaN and the
+  largest finite values (whose products with 0 are 0), and is True for integers."""
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((3, 5, 7)).astype(np.float32) * 1e3
+  x[0, 1, 2], x[1, 4, 6], x[2, 0, 0] = np.inf, -np.inf, np.nan
+  x[1, 0, 0] = x[2, 3, 3] = np.finfo(np.float32).max
+  x = jnp.asarray(rng.integers(-9, 9, x.shape), dtype) if dtype == jnp.int32 else jnp.asarray(x).astype(dtype)
+  for axis in (None, (1, 2), (0,), (2,)):
+    want = jnp.all(jnp.isfinite(x), axis)
+    np.testing.assert_array_equal(jax.jit(lg.finite, static_argnums=1)(x, axis), want)
+  if dtype != jnp.int32:
+    assert not bool(lg.finite(x)) and bool(lg.finite(x[:, :, 3:5][1:2]))
+
+
+def test_apply_if_finite_is_optax_apply_if_finite():
+  """Same updates and same state (optax.ApplyIfFiniteState) step by step as optax's, through finite
+  steps, skipped non-finite ones and the give-up after max_consecutive_errors."""
+  params = {"a": jnp.ones((4, 3)), "b": jnp.arange(5.0)}
+  ours, theirs = lg.apply_if_finite(optax.adam(0.1), 2), optax.apply_if_finite(optax.adam(0.1), 2)
+  s_ours, s_theirs = ours.init(params), theirs.init(params)
+  assert jax.tree.structure(s_ours) == jax.tree.structure(s_theirs)
+  rng = np.random.default_rng(1)
+  for bad in (False, True, False, True, True, True, False):
+    g = jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape), jnp.float32), params)
+    if bad:
+      g["b"] = g["b"].at[2].set(jnp.nan)
+    u_ours, s_ours = jax.jit(ours.update)(g, s_ours, params)
+    u_theirs, s_theirs = theirs.update(g, s_theirs, params)
+    jax.tree.map(np.testing.assert_array_equal, (u_ours, s_ours), (u_theirs, s_theirs))
+  assert int(s_ours.total_notfinite) == 4 and int(s_ours.notfinite_count) == 0

@@ -97,9 +97,21 @@ class LeafGroups:
     return values[np.argsort(np.concatenate([np.asarray(m, np.int32) for m in self.members]))]
 
 
+def finite(x: jax.Array, axis: tuple[int, ...] | None = None) -> jax.Array:
+  """`jnp.all(jnp.isfinite(x), axis)` as one fused reduction.
+
+  x * 0 is 0 for finite x and NaN for inf or NaN, so a sum of it is finite exactly when every
+  summand is. `all(isfinite(x))` compiles to a bool array of x's shape written first and reduced
+  after: ~10 ms for each [32, 384, 256] expert weight inside the `small` train step on XLA:CPU.
+  """
+  if not jnp.issubdtype(x.dtype, jnp.inexact):
+    return jnp.all(jnp.ones_like(x, bool), axis)
+  return jnp.isfinite(jnp.sum(x * 0, axis=axis, dtype=jnp.float32))
+
+
 def rows_finite(stacked: jax.Array) -> jax.Array:
   """bool [members]: whether each stacked leaf is all finite."""
-  return jnp.all(jnp.isfinite(stacked), axis=tuple(range(1, stacked.ndim)))
+  return finite(stacked, tuple(range(1, stacked.ndim)))
 
 
 def all_finite_per_leaf(tree: Any, max_elements: int | None = None) -> jax.Array:
@@ -161,5 +173,29 @@ def grouped(inner: optax.GradientTransformation,
                                           inner_params)
     return (jax.tree.unflatten(treedef, groups.unstack(new_updates)),
             _convert(new_state, False, groups, treedef, gdef))
+
+  return optax.GradientTransformation(init, update)
+
+
+def apply_if_finite(inner: optax.GradientTransformation,
+                    max_consecutive_errors: int) -> optax.GradientTransformation:
+  """`optax.apply_if_finite` (same state, `optax.ApplyIfFiniteState`, and the same rule) with the
+  updates' finiteness checked by `finite`, one fused reduction per leaf."""
+  def init(params):
+    return optax.ApplyIfFiniteState(notfinite_count=jnp.zeros([], jnp.int32),
+                                    last_finite=jnp.array(True, jnp.bool_),
+                                    total_notfinite=jnp.zeros([], jnp.int32),
+                                    inner_state=inner.init(params))
+
+  def update(updates, state, params=None):
+    ok = jnp.all(jnp.stack([finite(u) for u in jax.tree.leaves(updates)] or [jnp.array(True)]))
+    bad_count = jnp.where(ok, 0, optax.safe_increment(state.notfinite_count))
+    new_updates, inner_state = jax.lax.cond(
+        ok | (bad_count > max_consecutive_errors),
+        lambda: inner.update(updates, state.inner_state, params),
+        lambda: (optax.tree.zeros_like(updates), state.inner_state))
+    total = jnp.where(ok, state.total_notfinite, optax.safe_increment(state.total_notfinite))
+    return new_updates, optax.ApplyIfFiniteState(notfinite_count=bad_count, last_finite=ok,
+                                                 total_notfinite=total, inner_state=inner_state)
 
   return optax.GradientTransformation(init, update)

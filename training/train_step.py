@@ -131,7 +131,7 @@ def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
   n = tc.group_max_elements
   group = (lambda tx: leaf_groups.grouped(tx, n)) if n else (lambda tx: tx)
   mask = leaf_groups.grouped_mask(decay_mask) if n else decay_mask
-  return group(optax.apply_if_finite(optax.chain(
+  return group(leaf_groups.apply_if_finite(optax.chain(
       optax.clip_by_global_norm(tc.grad_clip),
       optax.adamw(learning_rate_schedule(tc), b1=tc.b1, b2=tc.b2, eps=tc.eps,
                   weight_decay=tc.weight_decay, mask=mask)), max_consecutive_errors=1 << 30))

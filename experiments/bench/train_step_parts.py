@@ -48,7 +48,7 @@ from experiments.bench.train_step import _batch
 from model import flops
 from model.config import ModelConfig
 from model.decoder import Horizon
-from training import metrics
+from training import leaf_groups, metrics
 from training.train_step import TrainConfig, make_optimizer, token_cross_entropy, train_step
 
 # Forward FLOP components of model.flops per part (divided by the layers the part occurs in).
@@ -123,7 +123,7 @@ def _parts(model: Horizon, b: int, t: int, seed: int = 0) -> list[tuple[str, str
 def _step_and_sgd_step(cfg: ModelConfig, tc: TrainConfig, batch, reps: int) -> tuple[float, float]:
   """Median seconds of the train step and of the same step with optax.sgd, timed alternately."""
   runs = []
-  sgd = optax.apply_if_finite(optax.sgd(1e-4), max_consecutive_errors=1 << 30)  # the step reads its counts
+  sgd = leaf_groups.apply_if_finite(optax.sgd(1e-4), 1 << 30)  # the step reads its counts
   for tx in (make_optimizer(tc), sgd):
     model = Horizon(cfg, rngs=nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
