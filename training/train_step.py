@@ -33,9 +33,10 @@ gradient of the whole batch's loss.
 
 Non-finite loss or gradients never reach the weights: the update is wrapped in
 `leaf_groups.apply_if_finite` (optax.apply_if_finite's rule and state with a
-fused check; state and weights unchanged, router biases frozen for that step) and the step reports `finite` plus per-tensor finiteness, so
-the launcher stops with the step and the first non-finite tensor's name
-(`nan_policy = 'stop'`) or logs and continues (`'skip'`).
+fused check; state and weights unchanged, router biases frozen for that step)
+and the step reports `finite` plus per-tensor finiteness, so the launcher stops
+with the step and the first non-finite tensor's name (`nan_policy = 'stop'`) or
+logs and continues (`'skip'`).
 """
 
 from __future__ import annotations
