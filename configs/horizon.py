@@ -58,6 +58,11 @@ def _full_model() -> ml_collections.ConfigDict:
   m.indexer_stage = "sparse"  # "dense_warmup" | "sparse"
   m.dsa_query_block = 256  # queries processed together in the sparse path
   m.dsa_key_block = 2048  # keys scored together by the blockwise top-k
+  # Full-sequence calls (training, RL scoring) on sequences up to this length run the sparse stage
+  # as dense attention under the exact top-k mask: the same function (selection, attention, KL)
+  # with no per-query gather, faster where top-k is a large share of the keys (on XLA:CPU up to
+  # ~4 x index_topk: experiments/bench/dsa_masked_dense.py). 0 = always gather.
+  m.dsa_dense_len = 0
   # Delta attention: gated delta rule (Gated DeltaNet).
   m.delta_qk_heads = 64
   m.delta_v_heads = 64
@@ -176,6 +181,7 @@ def _agent(m: ml_collections.ConfigDict) -> None:
   m.index_topk = 512
   m.dsa_query_block = 64
   m.dsa_key_block = 512
+  m.dsa_dense_len = 2048  # SFT/RL rows of 1024-2048 tokens: masked dense beats gathering 512 keys
   m.delta_qk_heads = 2
   m.delta_v_heads = 4
   m.delta_qk_dim = 32

@@ -78,6 +78,7 @@ class ModelConfig:
   indexer_stage: str
   dsa_query_block: int
   dsa_key_block: int
+  dsa_dense_len: int
   delta_qk_heads: int
   delta_v_heads: int
   delta_qk_dim: int
@@ -164,6 +165,8 @@ class ModelConfig:
     need(self.qk_rope_dim % 2 == 0, "qk_rope_dim", "RoPE needs an even number of dims.")
     need(self.qk_rope_dim <= self.index_head_dim, "index_head_dim",
          "the indexer applies RoPE to its first qk_rope_dim dims, so it must be >= qk_rope_dim.")
+    need(isinstance(self.dsa_dense_len, int) and self.dsa_dense_len >= 0, "dsa_dense_len",
+         "must be an int >= 0 (0: the sparse stage always gathers its top-k keys).")
     need(self.indexer_stage in ("dense_warmup", "sparse"), "indexer_stage",
          "choose 'dense_warmup' (only the indexer trains, dense KL) or 'sparse'.")
     need(self.delta_v_heads % self.delta_qk_heads == 0, "delta_v_heads",

@@ -155,13 +155,13 @@ def _flat(tree):
   return {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-@pytest.mark.parametrize("stage,t,segs", [("sparse", 13, []), ("sparse", 37, [15]),
-                                          ("dense_warmup", 37, [20])])
-def test_layer_matches_dense_reference(tiny_cfg, stage, t, segs):
+@pytest.mark.parametrize("stage,t,segs,dense_len", [("sparse", 13, [], 0), ("sparse", 37, [15], 0),
+                                                    ("sparse", 37, [15], 40), ("dense_warmup", 37, [20], 0)])
+def test_layer_matches_dense_reference(tiny_cfg, stage, t, segs, dense_len):
   """Sparse stage: t <= topk is plain causal MLA, t > topk is MLA masked to the
-  reference top-k set; dense warm-up stage: dense MLA. Forward, indexer loss,
-  gradients wrt every parameter and x."""
-  cfg = tiny_cfg.replace(indexer_stage=stage)
+  reference top-k set (gathered, or with t <= dsa_dense_len dense under the top-k mask);
+  dense warm-up stage: dense MLA. Forward, indexer loss, gradients wrt every parameter and x."""
+  cfg = tiny_cfg.replace(indexer_stage=stage, dsa_dense_len=dense_len)
   _, graphdef, params, rest = _make(cfg, seed=1)
   b = 2
   x = normal_data(60 + t, (b, t, cfg.d_model))
@@ -184,15 +184,19 @@ def test_layer_matches_dense_reference(tiny_cfg, stage, t, segs):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _path_grads(graphdef, sparse_path, params, rest, x, pos, seg, cot):
-  """y, indexer loss and the grads of sum(y * cot) + loss through one attention path."""
+def _path_grads(graphdef, path, params, rest, x, pos, seg, cot):
+  """y, indexer loss and the grads of sum(y * cot) + loss through one attention path: "sparse"
+  (gathered top-k), "dense" (every allowed key) or "masked" (dense under the top-k mask)."""
   def f(ps, x):
     layer = nnx.merge(graphdef, ps, rest)
     c_q, q_lat, q_rope, latent, k_rope = layer.mla_projections(x, pos)
     q_i, w_i, k_i = layer.indexer_projections(x, c_q, pos)
     order = jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), x.shape[:2])
     args = (q_lat, q_rope, latent, k_rope, q_i, w_i, k_i, order, seg, order, seg)
-    out, loss = layer._sparse(*args, with_loss=True) if sparse_path else layer._dense(*args)
+    if path == "sparse":
+      out, loss = layer._sparse(*args, with_loss=True)
+    else:
+      out, loss = layer._dense(*args, topk=layer.cfg.index_topk if path == "masked" else None)
     y = layer.output_projection(out, x)
     return jnp.sum(y * cot) + loss, (y, loss)
   (_, (y, loss)), g = jax.value_and_grad(f, (0, 1), has_aux=True)(params, x)
@@ -210,8 +214,8 @@ def test_topk_covering_every_key_takes_the_dense_path(tiny_cfg):
   seg = packed_segments(2, t, [[6], []])
   pos = segment_positions(seg)
   cot = normal_data(91, x.shape)
-  y_d, loss_d, (gp_d, gx_d) = _path_grads(graphdef, False, params, rest, x, pos, seg, cot)
-  y_s, loss_s, (gp_s, gx_s) = _path_grads(graphdef, True, params, rest, x, pos, seg, cot)
+  y_d, loss_d, (gp_d, gx_d) = _path_grads(graphdef, "dense", params, rest, x, pos, seg, cot)
+  y_s, loss_s, (gp_s, gx_s) = _path_grads(graphdef, "sparse", params, rest, x, pos, seg, cot)
   y, loss = _layer_fwd(graphdef, params, rest, x, pos, seg)
   np.testing.assert_array_equal(y, y_d)  # __call__ took the dense path
   assert_close(y_d, y_s, what="y")
@@ -222,6 +226,34 @@ def test_topk_covering_every_key_takes_the_dense_path(tiny_cfg):
   for name in gp_d:
     assert_close(gp_d[name], gp_s[name], what=f"grad {name}")
   assert any(float(jnp.abs(gp_d[n]).max()) > 0 for n in gp_d if "w_ki" in n)  # the indexer learns
+
+
+@pytest.mark.parametrize("t,segs", [(41, [[9], []]), (64, [[30, 47], [5]])])
+def test_masked_dense_path_equals_the_sparse_path(tiny_cfg, t, segs):
+  """index_topk < t <= dsa_dense_len: __call__ runs dense MQA under the exact top-k mask, which
+  must equal the gathered sparse path -- attention, indexer KL over the selected keys, and the
+  gradients wrt every parameter (the indexer's included) and x -- on packed rows where some
+  queries see fewer than top-k keys and others choose among many."""
+  cfg = tiny_cfg.replace(indexer_stage="sparse", dsa_dense_len=t)
+  assert cfg.index_topk < t
+  _, graphdef, params, rest = _make(cfg, seed=7)
+  x = normal_data(92 + t, (2, t, cfg.d_model))
+  seg = packed_segments(2, t, segs)
+  pos = segment_positions(seg)
+  cot = normal_data(93, x.shape)
+  assert_unambiguous_topk(nnx.to_pure_dict(params), x, pos, seg, cfg)
+  y_m, loss_m, (gp_m, gx_m) = _path_grads(graphdef, "masked", params, rest, x, pos, seg, cot)
+  y_s, loss_s, (gp_s, gx_s) = _path_grads(graphdef, "sparse", params, rest, x, pos, seg, cot)
+  y, loss = _layer_fwd(graphdef, params, rest, x, pos, seg)
+  np.testing.assert_array_equal(y, y_m)  # __call__ took the masked dense path
+  assert_close(y_m, y_s, what="y")
+  assert_close(loss_m, loss_s, what="indexer loss")
+  assert float(loss_s) > 0
+  assert_close(gx_m, gx_s, what="grad x")
+  gp_m, gp_s = _flat(nnx.to_pure_dict(gp_m)), _flat(nnx.to_pure_dict(gp_s))
+  for name in gp_m:
+    assert_close(gp_m[name], gp_s[name], what=f"grad {name}")
+  assert any(float(jnp.abs(gp_m[n]).max()) > 0 for n in gp_m if "w_ki" in n)  # the indexer learns
 
 
 def test_layer_check_grads(tiny_cfg):

@@ -53,6 +53,45 @@ def test_blockwise_topk_matches_dense(b, t, s, topk, qb, kb):
       assert len(set(sel.tolist())) == len(sel)
 
 
+def _reference_topk_mask(scores, allowed, topk):
+  """lax.top_k of where(allowed, scores, -inf) scattered into a mask (valid slots only)."""
+  vals, ids = jax.lax.top_k(jnp.where(allowed, scores, -jnp.inf), min(topk, scores.shape[-1]))
+  hit = (ids[..., None] == jnp.arange(scores.shape[-1])) & (vals > -jnp.inf)[..., None]
+  return jnp.any(hit, axis=-2)
+
+
+@pytest.mark.parametrize("shape,topk", [((2, 37, 41), 9), ((3, 5, 64), 17), ((1, 4, 3, 29), 1),
+                                        ((2, 23, 23), 22)])
+def test_topk_mask_equals_lax_top_k_with_ties(shape, topk):
+  """The bisection selects lax.top_k's set: exact ties (zeros of both signs, repeated values) go
+  to lower positions, -0.0 ranks below +0.0 as in lax.top_k's total order; rows with at most topk
+  allowed entries keep all of them, a row with none selects nothing."""
+  rng = np.random.default_rng(sum(shape) + topk)
+  scores = rng.standard_normal(shape).astype(np.float32)
+  r = rng.random(shape)
+  scores[r < 0.3] = 0.0
+  scores[(r >= 0.3) & (r < 0.4)] = -0.0
+  scores[(r >= 0.4) & (r < 0.5)] = 1.25  # a repeated positive value
+  scores[(r >= 0.5) & (r < 0.55)] = -3e38  # near the bottom of the f32 range
+  allowed = rng.random(shape) < 0.8
+  allowed[..., 0, :] = False  # no allowed entry
+  allowed[..., 1, :] = np.arange(shape[-1]) < topk  # exactly topk
+  scores, allowed = jnp.asarray(scores), jnp.asarray(allowed)
+  got = jax.jit(sparse.topk_mask, static_argnums=2)(scores, allowed, topk)
+  want = jax.jit(_reference_topk_mask, static_argnums=2)(scores, allowed, topk)
+  np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(got.sum(-1), np.minimum(np.asarray(allowed).sum(-1), topk))
+  assert int(got.sum()) > 0 and not bool(jnp.any(got & ~allowed))
+
+
+def test_topk_mask_bad_arguments():
+  x = jnp.ones((2, 5))
+  with pytest.raises(ValueError, match="topk=0"):
+    sparse.topk_mask(x, x > 0, 0)
+  with pytest.raises(ValueError, match="same shape"):
+    sparse.topk_mask(x, (x > 0)[:, :4], 2)
+
+
 def test_blockwise_topk_more_slots_than_keys_and_cache_slots():
   """topk > allowed keys: extra slots invalid; k_seg < 0 (unfilled cache) never picked."""
   b, t, s = 2, 3, 29

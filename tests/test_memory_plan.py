@@ -105,9 +105,12 @@ def test_estimate_within_2x_of_xla_for_small():
   assert 0.5 <= res["ratio"] <= 2.0, res
 
 
-def test_block_estimate_within_2x_of_xla_for_small():
-  """One block's forward + backward: the term the 'full' policy's peak is made of."""
-  blocks = mp.validate_blocks(_cfg("small"), batch=2, seq_len=256)
+@pytest.mark.parametrize("seq_len,dense_len", [(256, 0), (512, 512)])
+def test_block_estimate_within_2x_of_xla_for_small(seq_len, dense_len):
+  """One block's forward + backward: the term the 'full' policy's peak is made of. At 256 tokens
+  small's top-256 covers every key (dense MQA); at 512 with dsa_dense_len=512 the sparse stage
+  runs as dense MQA under the top-k mask."""
+  blocks = mp.validate_blocks(_cfg("small").replace(dsa_dense_len=dense_len), batch=2, seq_len=seq_len)
   assert set(blocks) == {"dsa+dense", "dsa+moe", "delta+moe"}
   for name, res in blocks.items():
     assert 0.5 <= res["ratio"] <= 2.0, (name, res)

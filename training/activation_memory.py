@@ -212,11 +212,13 @@ def _dsa_sparse_stage(cfg: ModelConfig, loc: Local, h: int, hi: int, dt: int) ->
   ]
 
 
-def _dsa_dense_stage(loc: Local, h: int, hi: int, dt: int) -> list[Buf]:
-  """Dense MQA over every allowed key (warm-up stage, or top-k covering every key): full
-  [T, H, S] f32 logits, probabilities kept for the backward, the indexer's [T, Hi, S] dots."""
+def _dsa_dense_stage(loc: Local, h: int, hi: int, dt: int, masked: bool) -> list[Buf]:
+  """Dense MQA over every allowed key (warm-up stage, or top-k covering every key) or under the
+  top-k mask (`masked`: up to dsa_dense_len): full [T, H, S] f32 logits, probabilities kept for
+  the backward, the indexer's [T, Hi, S] dots; the masked form adds the mask and its int32 keys."""
   T, S = loc.tokens, loc.seq_len
-  return [
+  mask = [Buf("top-k mask [T,S] + its int32 order keys", T * S * 5, "saved")] if masked else []
+  return mask + [
       Buf("probs f32 + compute-dtype copy [T,H,S]", T * h * S * (F32 + dt), "saved", 2),
       Buf("indexer dots f32 [T,Hi,S]", T * hi * S * F32, "saved"),
       Buf("p + indexer scores f32 [T,S]", 2 * T * S * F32, "saved", 2),
@@ -227,12 +229,14 @@ def _dsa_dense_stage(loc: Local, h: int, hi: int, dt: int) -> list[Buf]:
 
 def dsa_attention(cfg: ModelConfig, loc: Local) -> LayerMemory:
   """Gated DSA (model/attention/dsa.py): the sparse stage, or dense MQA where the model runs it
-  (the dense warm-up stage, or top-k covering every key of the sequence)."""
+  (the dense warm-up stage, top-k covering every key of the sequence, or under the top-k mask up
+  to dsa_dense_len tokens)."""
   dt, T = _dt(cfg, loc), loc.tokens
   d, ql, c, rope, nope, v = (cfg.d_model, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_dim,
                              cfg.qk_nope_dim, cfg.v_head_dim)
   h, hi, di = loc.split(cfg.num_heads), loc.split(cfg.index_heads), cfg.index_head_dim
   dense = cfg.indexer_stage == "dense_warmup" or cfg.index_topk >= loc.seq_len
+  masked = not dense and loc.seq_len <= cfg.dsa_dense_len
   bufs = [
       Buf("c_q pre-norm [T,ql]", T * ql * dt, "dot"),
       Buf("c_q [T,ql]", T * ql * dt, "saved"),
@@ -248,7 +252,10 @@ def dsa_attention(cfg: ModelConfig, loc: Local) -> LayerMemory:
       Buf("o, gate pre-act [T,H,v]", 2 * T * h * v * dt, "dot", 2),
       Buf("gated o [T,H,v]", T * h * v * dt, "saved"),
   ]
-  bufs += _dsa_dense_stage(loc, h, hi, dt) if dense else _dsa_sparse_stage(cfg, loc, h, hi, dt)
+  if dense or masked:
+    bufs += _dsa_dense_stage(loc, h, hi, dt, masked)
+  else:
+    bufs += _dsa_sparse_stage(cfg, loc, h, hi, dt)
   bufs += _weights(cfg, loc, "w_dq", (d, ql)) + _weights(cfg, loc, "w_uq", (ql, h, nope + rope))
   bufs += _weights(cfg, loc, "w_dkv", (d, c + rope)) + _weights(cfg, loc, "w_uk", (c, h, nope))
   bufs += _weights(cfg, loc, "w_uv", (c, h, v)) + _weights(cfg, loc, "w_g", (d, h, v))

@@ -1,4 +1,4 @@
-"""Where the `small` train step's time goes: each part's forward + backward timed alone, against the step.
+"""Where a train step's time goes (`small`, or --variant): each part's fwd + bwd alone, against the step.
 
     python -m experiments.bench.train_step_parts            # small, 8 x 256 tokens
     python -m experiments.bench.train_step_parts --quick    # tiny, 2 x 64 (seconds)
@@ -140,7 +140,8 @@ def _step_and_sgd_step(cfg: ModelConfig, tc: TrainConfig, batch, reps: int) -> t
 
 
 def run(a: argparse.Namespace) -> dict:
-  config = horizon.get_config("tiny" if a.quick else "small")
+  variant = "tiny" if a.quick else a.variant
+  config = horizon.get_config(variant)
   cfg = ModelConfig.from_config(config.model).replace(remat="none")
   tc = TrainConfig.from_config(config.train)
   tc = dataclasses.replace(tc, global_batch=a.batch or (2 if a.quick else tc.global_batch),
@@ -162,7 +163,7 @@ def run(a: argparse.Namespace) -> dict:
                "ms": 1e3 * (step - sgd_step), "gflops": None})
   rows.append({"part": "rest (SGD step - parts)", "layers": None, "ms_each": None,
                "ms": 1e3 * sgd_step - sum(r["ms"] for r in rows[:-1]), "gflops": None})
-  print(f"config {'tiny' if a.quick else 'small'}, {b} x {t} tokens, remat none, "
+  print(f"config {variant}, {b} x {t} tokens, remat none, "
         f"backend {jax.default_backend()}; peak (bf16 x bf16 -> f32 matmul, measured here) "
         f"{peak / 1e9:.1f} GFLOP/s; train step "
         f"{1e3 * step:.1f} ms ({3 * per_token['forward'] * b * t / step / peak:.1%} MFU)")
@@ -182,6 +183,8 @@ def run(a: argparse.Namespace) -> dict:
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--quick", action="store_true", help="tiny, batch 2 x seq 64")
+  p.add_argument("--variant", default="small", choices=("small", "agent"),
+                 help="model config (configs/horizon.py); agent: the RL/SFT model, 8 x 256 unless --seq_len")
   p.add_argument("--batch", type=int, default=0, help="sequences per step (0: config / --quick)")
   p.add_argument("--seq_len", type=int, default=0, help="tokens per sequence (0: config / --quick)")
   p.add_argument("--reps", type=int, default=5, help="timed calls per part (median reported)")

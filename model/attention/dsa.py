@@ -183,12 +183,19 @@ class GatedDSA(nnx.Module):
     logits = sparse.selected_indexer_scores(q_i, w_i, k_i, idx, cfg.dsa_query_block)
     return out_lat, sparse.indexer_kl(p_sel, logits, valid)
 
-  def _dense(self, q_lat, q_rope, latent, k_rope, q_i, w_i, k_i, q_pos, q_seg, k_pos, k_seg):
-    """Dense warm-up stage: dense MLA; KL over all allowed keys of the dense indexer scores."""
+  def _dense(self, q_lat, q_rope, latent, k_rope, q_i, w_i, k_i, q_pos, q_seg, k_pos, k_seg,
+             topk: int | None = None):
+    """Dense MLA and the KL of the dense indexer scores over the attended keys: every allowed key
+    (the warm-up stage, or top-k covering them all), or with `topk` the sparse stage's maths
+    under its exact top-k mask (sparse.topk_mask)."""
     mask = allowed_mask(q_pos, q_seg, k_pos, k_seg)
-    out_lat, p = dense_mqa_attention(q_lat, q_rope, latent, k_rope, mask, self.scale)
     with jax.named_scope(F32_SCOPE):  # the indexer's dense scores and KL run in f32
-      return out_lat, sparse.indexer_kl(p, indexer_scores_dense(q_i, w_i, k_i), mask)
+      scores = indexer_scores_dense(q_i, w_i, k_i)
+      if topk is not None:
+        mask = sparse.topk_mask(scores, mask, topk)
+    out_lat, p = dense_mqa_attention(q_lat, q_rope, latent, k_rope, mask, self.scale)
+    with jax.named_scope(F32_SCOPE):
+      return out_lat, sparse.indexer_kl(p, scores, mask)
 
   # ---- public API ------------------------------------------------------------
   def _check_x(self, fn: str, x: jax.Array) -> None:
@@ -223,9 +230,12 @@ class GatedDSA(nnx.Module):
     # Where top-k covers every key (train lengths up to index_topk), the sparse stage selects
     # all allowed keys: its attention and its KL over the selected keys are the dense stage's
     # maths, which one dense MQA computes at a fraction of the cost of gathering every key per
-    # query (tests/test_dsa.py checks forward and gradients against the sparse path).
+    # query (tests/test_dsa.py checks forward and gradients against the sparse path). Up to
+    # dsa_dense_len tokens the sparse stage runs as that dense MQA under its top-k mask.
     if self.cfg.indexer_stage == "dense_warmup" or self.cfg.index_topk >= x.shape[1]:
       out_lat, loss = self._dense(*args)
+    elif x.shape[1] <= self.cfg.dsa_dense_len:
+      out_lat, loss = self._dense(*args, topk=self.cfg.index_topk)
     else:
       out_lat, loss = self._sparse(*args, with_loss=True)
     return self.output_projection(out_lat, x), {"indexer_loss": loss}

