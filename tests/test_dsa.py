@@ -203,21 +203,27 @@ def _path_grads(graphdef, path, params, rest, x, pos, seg, cot):
   return y, loss, g
 
 
-def test_topk_covering_every_key_takes_the_dense_path(tiny_cfg):
-  """t <= index_topk: __call__ runs the dense MQA (one matmul, no gathers), which must equal the
-  sparse path's attention and indexer KL over the selected (= every allowed) key, forward and
-  gradients (wrt every parameter, the indexer's included, and x)."""
-  cfg = tiny_cfg.replace(indexer_stage="sparse")
-  t = cfg.index_topk - 3
-  _, graphdef, params, rest = _make(cfg, seed=5)
-  x = normal_data(90, (2, t, cfg.d_model))
-  seg = packed_segments(2, t, [[6], []])
+@pytest.mark.parametrize("path,t,segs", [("dense", 13, [[6], []]), ("masked", 41, [[9], []]),
+                                          ("masked", 64, [[30, 47], [5]])])
+def test_call_paths_equal_the_sparse_path(tiny_cfg, path, t, segs):
+  """The sparse stage's two dense computations, each taken by __call__ and equal to the gathered
+  sparse path -- attention, indexer KL over the selected keys, gradients wrt every parameter (the
+  indexer's included) and x:
+  - "dense", t <= index_topk: top-k selects every allowed key, so one dense MQA over them;
+  - "masked", index_topk < t <= dsa_dense_len: dense MQA under the exact top-k mask, on packed
+    rows where some queries see fewer than top-k keys and others choose among many."""
+  cfg = tiny_cfg.replace(indexer_stage="sparse", dsa_dense_len=t if path == "masked" else 0)
+  assert (t > cfg.index_topk) == (path == "masked")
+  _, graphdef, params, rest = _make(cfg, seed=5 + t)
+  x = normal_data(90 + t, (2, t, cfg.d_model))
+  seg = packed_segments(2, t, segs)
   pos = segment_positions(seg)
   cot = normal_data(91, x.shape)
-  y_d, loss_d, (gp_d, gx_d) = _path_grads(graphdef, "dense", params, rest, x, pos, seg, cot)
+  assert_unambiguous_topk(nnx.to_pure_dict(params), x, pos, seg, cfg)
+  y_d, loss_d, (gp_d, gx_d) = _path_grads(graphdef, path, params, rest, x, pos, seg, cot)
   y_s, loss_s, (gp_s, gx_s) = _path_grads(graphdef, "sparse", params, rest, x, pos, seg, cot)
   y, loss = _layer_fwd(graphdef, params, rest, x, pos, seg)
-  np.testing.assert_array_equal(y, y_d)  # __call__ took the dense path
+  np.testing.assert_array_equal(y, y_d)  # __call__ took this path
   assert_close(y_d, y_s, what="y")
   assert_close(loss_d, loss_s, what="indexer loss")
   assert float(loss_s) > 0
@@ -226,34 +232,6 @@ def test_topk_covering_every_key_takes_the_dense_path(tiny_cfg):
   for name in gp_d:
     assert_close(gp_d[name], gp_s[name], what=f"grad {name}")
   assert any(float(jnp.abs(gp_d[n]).max()) > 0 for n in gp_d if "w_ki" in n)  # the indexer learns
-
-
-@pytest.mark.parametrize("t,segs", [(41, [[9], []]), (64, [[30, 47], [5]])])
-def test_masked_dense_path_equals_the_sparse_path(tiny_cfg, t, segs):
-  """index_topk < t <= dsa_dense_len: __call__ runs dense MQA under the exact top-k mask, which
-  must equal the gathered sparse path -- attention, indexer KL over the selected keys, and the
-  gradients wrt every parameter (the indexer's included) and x -- on packed rows where some
-  queries see fewer than top-k keys and others choose among many."""
-  cfg = tiny_cfg.replace(indexer_stage="sparse", dsa_dense_len=t)
-  assert cfg.index_topk < t
-  _, graphdef, params, rest = _make(cfg, seed=7)
-  x = normal_data(92 + t, (2, t, cfg.d_model))
-  seg = packed_segments(2, t, segs)
-  pos = segment_positions(seg)
-  cot = normal_data(93, x.shape)
-  assert_unambiguous_topk(nnx.to_pure_dict(params), x, pos, seg, cfg)
-  y_m, loss_m, (gp_m, gx_m) = _path_grads(graphdef, "masked", params, rest, x, pos, seg, cot)
-  y_s, loss_s, (gp_s, gx_s) = _path_grads(graphdef, "sparse", params, rest, x, pos, seg, cot)
-  y, loss = _layer_fwd(graphdef, params, rest, x, pos, seg)
-  np.testing.assert_array_equal(y, y_m)  # __call__ took the masked dense path
-  assert_close(y_m, y_s, what="y")
-  assert_close(loss_m, loss_s, what="indexer loss")
-  assert float(loss_s) > 0
-  assert_close(gx_m, gx_s, what="grad x")
-  gp_m, gp_s = _flat(nnx.to_pure_dict(gp_m)), _flat(nnx.to_pure_dict(gp_s))
-  for name in gp_m:
-    assert_close(gp_m[name], gp_s[name], what=f"grad {name}")
-  assert any(float(jnp.abs(gp_m[n]).max()) > 0 for n in gp_m if "w_ki" in n)  # the indexer learns
 
 
 def test_layer_check_grads(tiny_cfg):
