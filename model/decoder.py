@@ -56,16 +56,17 @@ class Block(nnx.Module):
     else:
       self.ffn = MLP(cfg.d_model, cfg.dense_ffn_dim, rngs=rngs, param_dtype=pdt, dtype=cfg.jnp_dtype)
 
-  def _ffn(self, x, replay=None):
+  def _ffn(self, x, replay=None, valid=None):
     if self.ffn_kind == "moe":
-      y, aux = self.ffn(self.ffn_norm(x), replay)
+      y, aux = self.ffn(self.ffn_norm(x), replay, valid)
       return x + y, aux
     return x + self.ffn(self.ffn_norm(x)), {}
 
   def __call__(self, x, positions, segment_ids, replay=None):
-    """replay: optional MoE routing replay (ids [b, t, k], use [b, t]); see MoE.route."""
+    """replay: optional MoE routing replay (ids [b, t, k], use [b, t]); see MoE.route.
+    Padding (segment id 0) is left out of the MoE's load and balance losses."""
     h, attn_aux = self.attn(self.attn_norm(x), positions, segment_ids)
-    x, ffn_aux = self._ffn(x + h, replay)
+    x, ffn_aux = self._ffn(x + h, replay, segment_ids > 0)
     return x, {**attn_aux, **ffn_aux}
 
   def extend(self, x, valid, cache):
@@ -161,7 +162,8 @@ class Horizon(nnx.Module):
     default arange. segment_ids: packed-document ids; tokens attend and carry
     state only within their segment; default all one segment.
     aux: indexer_loss (mean over DSA layers), z_loss and seq_aux_loss (mean
-    over MoE layers), load [num_moe_layers, num_experts] token counts,
+    over MoE layers; both over real tokens only, segment id > 0), load
+    [num_moe_layers, num_experts] token counts of the real tokens,
     dropped [num_moe_layers] assignments dropped by a capacity-limited
     expert-parallel exchange (0 on one device), routed int32 [num_moe_layers,
     b, t, k] the experts each token went to.

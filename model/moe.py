@@ -103,13 +103,16 @@ class MoE(nnx.Module):
     weights = combine_weights(scores, idx, cfg.norm_topk_prob, cfg.routed_scaling)
     return logits, scores, idx, weights
 
-  def __call__(self, x: jax.Array, replay: tuple[jax.Array, jax.Array] | None = None
-               ) -> tuple[jax.Array, dict]:
+  def __call__(self, x: jax.Array, replay: tuple[jax.Array, jax.Array] | None = None,
+               valid: jax.Array | None = None) -> tuple[jax.Array, dict]:
     """MoE feed-forward.
 
     Args:
       x: [b, t, d] activations.
       replay: optional routing replay (see `route`).
+      valid: optional bool [b, t], the real tokens (False on padding). Padding is still
+        computed, but load, z_loss and seq_aux_loss count only real tokens: a batch padded
+        to its longest row (an RL batch) must not steer the balancing bias.
 
     Returns:
       y [b, t, d] in cfg.dtype; aux = {'load': f32 [e] token-assignments per
@@ -127,10 +130,13 @@ class MoE(nnx.Module):
     y = y.reshape(b, t, d)
     if self.shared is not None:
       y = y + self.shared(x)
+    if valid is not None and valid.shape != (b, t):
+      raise ValueError(f"MoE: valid must be [batch, seq] = {(b, t)}; got shape {valid.shape}.")
+    per_assignment = None if valid is None else jnp.repeat(valid.reshape(-1).astype(jnp.float32), k)
     aux = {
-        "load": jnp.bincount(idx.reshape(-1), length=cfg.num_experts).astype(jnp.float32),
-        "z_loss": router_z_loss(logits),
-        "seq_aux_loss": sequence_aux_loss(scores, idx),
+        "load": jnp.bincount(idx.reshape(-1), per_assignment, length=cfg.num_experts).astype(jnp.float32),
+        "z_loss": router_z_loss(logits, valid),
+        "seq_aux_loss": sequence_aux_loss(scores, idx, valid),
         "dropped": dropped,
         "routed": idx,
     }

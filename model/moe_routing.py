@@ -113,7 +113,7 @@ def combine_weights(scores: jax.Array, idx: jax.Array, norm_topk_prob: bool,
   return w * routed_scaling
 
 
-def sequence_aux_loss(scores: jax.Array, idx: jax.Array) -> jax.Array:
+def sequence_aux_loss(scores: jax.Array, idx: jax.Array, valid: jax.Array | None = None) -> jax.Array:
   """DeepSeek-V3 complementary sequence-wise balance loss (unweighted).
 
   Per sequence: f_i = e / (k t) * #tokens choosing i, P_i = mean over tokens of
@@ -123,26 +123,35 @@ def sequence_aux_loss(scores: jax.Array, idx: jax.Array) -> jax.Array:
   Args:
     scores: [b, t, e] f32 unbiased scores.
     idx: [b, t, k] selected expert ids.
+    valid: optional bool [b, t], the real tokens (padding is False): each row's counts,
+      means and t cover only its real tokens; a row without any adds 0. The batch mean
+      stays over all b rows, so row micro-batches average to the whole batch's value.
 
   Returns:
     f32 scalar.
   """
   b, t, e = scores.shape
   k = idx.shape[-1]
-  counts = jax.vmap(lambda i: jnp.bincount(i.reshape(-1), length=e))(idx)  # [b, e]
-  f = counts.astype(jnp.float32) * (e / (k * t))
+  w = jnp.ones((b, t), jnp.float32) if valid is None else valid.astype(jnp.float32)
+  counts = jax.vmap(lambda i, wt: jnp.bincount(i.reshape(-1), jnp.repeat(wt, k), length=e))(idx, w)  # [b, e]
+  n = jnp.sum(w, axis=1)  # [b]
+  denom = jnp.maximum(n, 1.0)[:, None]
+  f = counts * (e / k) / denom
   s = scores.astype(jnp.float32)
-  p = jnp.mean(s / jnp.sum(s, axis=-1, keepdims=True), axis=1)  # [b, e]
+  p = jnp.sum(s / jnp.sum(s, axis=-1, keepdims=True) * w[..., None], axis=1) / denom  # [b, e]
   return jnp.mean(jnp.sum(f * p, axis=-1))
 
 
-def router_z_loss(logits: jax.Array) -> jax.Array:
+def router_z_loss(logits: jax.Array, valid: jax.Array | None = None) -> jax.Array:
   """ST-MoE router z-loss: mean over tokens of logsumexp(logits)^2.
 
   Args:
     logits: [..., e] router logits.
+    valid: optional bool [...], the real tokens: padding adds 0. The mean stays over every
+      position, so row micro-batches of one shape average to the whole batch's value.
 
   Returns:
     f32 scalar.
   """
-  return jnp.mean(jnp.square(jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)))
+  z = jnp.square(jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1))
+  return jnp.mean(z if valid is None else z * valid.astype(jnp.float32))

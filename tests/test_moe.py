@@ -292,6 +292,32 @@ def test_aux_load_and_losses_match_numpy(tiny_cfg, score):
   assert_close(aux["seq_aux_loss"], np_seq_aux(scores, idx), what="seq_aux_loss")
 
 
+def test_aux_statistics_count_only_valid_tokens(tiny_cfg):
+  """With a padding mask, load and each row's balance loss are computed on the real tokens
+  alone (the row's prefix), whatever the padding holds; padding adds 0 to z_loss and a row of
+  padding adds 0 to seq_aux_loss, both still averaged over every position / row."""
+  cfg = tiny_cfg.replace(num_experts=11, experts_per_token=3, router_groups=1, router_topk_groups=1)
+  m = _moe(cfg, seed=21)
+  x = _x(cfg, b=4, t=7, seed=22)
+  lengths = np.array([7, 3, 5, 0])
+  valid = jnp.asarray(np.arange(7)[None, :] < lengths[:, None])
+  aux, (logits, scores, idx, _) = nnx.jit(lambda m, x, v: (m(x, None, v)[1], m.route(x)))(m, x, valid)
+  idx, lg, sc = np.asarray(idx), np.asarray(logits, np.float64), np.asarray(scores, np.float64)
+  real = np.concatenate([idx[i, :n].reshape(-1) for i, n in enumerate(lengths)])
+  np.testing.assert_array_equal(np.asarray(aux["load"]), np.bincount(real, minlength=11))
+  lse = np.log(np.exp(lg).sum(-1))
+  assert_close(aux["z_loss"], sum(np.sum(lse[i, :n] ** 2) for i, n in enumerate(lengths)) / (4 * 7),
+               what="masked z_loss")
+  per_row = [np_seq_aux(sc[i:i + 1, :n], idx[i:i + 1, :n]) for i, n in enumerate(lengths) if n]
+  assert_close(aux["seq_aux_loss"], np.sum(per_row) / 4, what="masked seq_aux_loss")
+  unmasked = nnx.jit(lambda m, x: m(x)[1])(m, x)
+  everything = nnx.jit(lambda m, x, v: m(x, None, v)[1])(m, x, jnp.ones((4, 7), bool))
+  for key in ("load", "z_loss", "seq_aux_loss"):
+    np.testing.assert_allclose(np.asarray(everything[key]), np.asarray(unmasked[key]), rtol=1e-6, err_msg=key)
+  with pytest.raises(ValueError, match="valid must be"):
+    m(x, None, valid[:, :5])
+
+
 def test_aux_losses_check_grads():
   logits = _normal(jax.random.key(13), (2, 5, 7), 2.0)
   idx = moe_routing.select_experts(jax.nn.sigmoid(logits), jnp.zeros(7), 2)
