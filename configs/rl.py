@@ -44,6 +44,9 @@ def _rl(algorithm: str) -> ml_collections.ConfigDict:
   r.rollout_quantization = "none"
   r.micro_batch = 8  # rows per gradient micro-batch
   r.pad_multiple = 128  # rows are padded to a multiple of this (fewer compiled shapes)
+  # Micro-batches of rows of similar length, each cut to its own longest row (rl/train/batch.py:
+  # micro_batches); False pads every row to the batch's longest.
+  r.group_by_length = True
   # R3 (routing replay): the trainer routes each MoE token to the experts the engine chose, so
   # rollout and training policies differ only by numerics; routing is recorded either way and
   # `routing_mismatch` reports how often the trainer's own top-k differs.

@@ -13,6 +13,14 @@ a multiple of `pad_multiple` so few shapes compile: inputs = ids[:-1], targets =
 mask = loss_mask[1:] (tool results, prompts and forced tokens are 0), logp_rollout =
 the engine's log-probabilities of the targets; with recorded routing, routing [B, T, layers, k]
 and routing_mask [B, T] (positions the engine fed) for routing replay (R3).
+
+Micro-batches (`micro_batches`): the trainer scores and differentiates the batch a few rows at a
+time. Grouped by length, each micro-batch holds rows of similar length and is cut to its own
+longest row (rounded up to `pad_multiple`), so a short maths episode is not padded to the
+length of a tool episode whose prompt carries the tool schemas. Trailing padding changes
+nothing a causal model computes for the real tokens, and `token_weights` are the whole
+batch's, so the policy-gradient term is the same sum; MoE auxiliary losses no longer see the
+padding tokens.
 """
 
 from __future__ import annotations
@@ -65,7 +73,7 @@ def group_ids(episodes: Sequence[Episode]) -> np.ndarray:
 def to_batch(episodes: Sequence[Episode], advantages: np.ndarray, obj: obj_lib.Objective, *,
              pad_multiple: int = 128, pad_id: int = 0) -> dict[str, np.ndarray]:
   """The batch arrays (module docstring) plus advantages [B] and weights [B, T]."""
-  lengths = [max(len(ep.token_ids) - 1, 1) for ep in episodes]
+  lengths = row_lengths(episodes)
   t = -(-max(lengths) // pad_multiple) * pad_multiple
   b = len(episodes)
   out = {"inputs": np.full((b, t), pad_id, np.int32), "targets": np.full((b, t), pad_id, np.int32),
@@ -93,6 +101,29 @@ def to_batch(episodes: Sequence[Episode], advantages: np.ndarray, obj: obj_lib.O
   out["advantages"] = np.asarray(advantages, np.float32)
   out["weights"] = obj_lib.token_weights(out["mask"], obj)
   return out
+
+
+def row_lengths(episodes: Sequence[Episode]) -> list[int]:
+  """Positions each episode fills in the batch (its tokens but the last; at least one)."""
+  return [max(len(ep.token_ids) - 1, 1) for ep in episodes]
+
+
+def micro_batches(lengths: Sequence[int], micro_batch: int, pad_multiple: int,
+                  by_length: bool = True) -> list[tuple[np.ndarray, int]]:
+  """(rows, length to cut to) per micro-batch of at most `micro_batch` rows; every row once.
+
+  by_length: rows sorted longest first (ties in batch order), each micro-batch cut to its own
+  longest row rounded up to `pad_multiple`. Otherwise consecutive rows, all at the batch's
+  length (as `to_batch` pads them).
+  """
+  if micro_batch < 1 or pad_multiple < 1:
+    raise ValueError(f"micro_batches: micro_batch={micro_batch} and pad_multiple={pad_multiple} must be "
+                     ">= 1 (config.rl.micro_batch, config.rl.pad_multiple).")
+  lengths = np.asarray(lengths, np.int64)
+  order = np.argsort(-lengths, kind="stable") if by_length else np.arange(lengths.size)
+  chunks = [order[i:i + micro_batch] for i in range(0, order.size, micro_batch)]
+  longest = [int(lengths[rows].max()) if by_length else int(lengths.max()) for rows in chunks]
+  return [(rows, -(-n // pad_multiple) * pad_multiple) for rows, n in zip(chunks, longest, strict=True)]
 
 
 def domain_means(values: np.ndarray, domains: Sequence[str]) -> Mapping[str, float]:

@@ -210,12 +210,14 @@ class RLRun:
     return kept, sources, stats
 
   # ---- the update -----------------------------------------------------------------
-  def _micro(self, arrays: dict[str, np.ndarray], rows: slice) -> dict[str, jax.Array]:
-    """Rows of the batch on the mesh, split over its batch axes (data, fsdp, expert) as
-    pretraining's batches are; a micro-batch the axes do not divide stays whole."""
+  def _micro(self, arrays: dict[str, np.ndarray], rows: slice | np.ndarray, t: int | None = None
+             ) -> dict[str, jax.Array]:
+    """Rows of the batch (cut to their first t positions) on the mesh, split over its batch axes
+    (data, fsdp, expert) as pretraining's batches are; a micro-batch the axes do not divide stays
+    whole."""
     out = {}
     for k, v in arrays.items():
-      part = v[rows]
+      part = v[rows] if v.ndim == 1 else v[rows, :t]
       spec = activation_spec(("batch",) + (None,) * (part.ndim - 1), part.shape, dict(self.mesh.shape))
       out[k] = jax.device_put(part, jax.sharding.NamedSharding(self.mesh, spec))
     return out
@@ -244,12 +246,14 @@ class RLRun:
                                 pad_multiple=int(self.rl.pad_multiple), pad_id=self.tokenizer.pad_id)
     b = len(episodes)
     mb = max(1, min(int(self.rl.micro_batch), b))
-    chunks = [slice(i, min(i + mb, b)) for i in range(0, b, mb)]
+    chunks = batch_lib.micro_batches(batch_lib.row_lengths(episodes), mb, int(self.rl.pad_multiple),
+                                     bool(self.rl.group_by_length))
     rewards, parts = batch_lib.shape_rewards(episodes, self.obj, self.shaping, self.think_end)
     if self.ref_model is not None:
       arrays["logp_ref"] = np.zeros_like(arrays["mask"])
-      for rows in chunks:
-        arrays["logp_ref"][rows] = np.asarray(update_lib.score(self.ref_model, self._micro(arrays, rows))[0])
+      for rows, t in chunks:
+        ref = update_lib.score(self.ref_model, self._micro(arrays, rows, t))[0]
+        arrays["logp_ref"][rows, :t] = np.asarray(ref)
       parts["kl"] = -obj_lib.kl_reward_penalty(arrays["logp_rollout"], arrays["logp_ref"], arrays["mask"],
                                                self.obj)
       rewards = rewards + parts["kl"]
@@ -260,9 +264,9 @@ class RLRun:
     t0 = time.perf_counter()
     replay = bool(self.rl.routing_replay) and "routing" in arrays
     mismatch = []
-    for rows in chunks:
-      lp, ent, mis = update_lib.score(self.model, self._micro(arrays, rows), replay)
-      logp_old[rows], entropy[rows] = np.asarray(lp), np.asarray(ent)
+    for rows, t in chunks:
+      lp, ent, mis = update_lib.score(self.model, self._micro(arrays, rows, t), replay)
+      logp_old[rows, :t], entropy[rows, :t] = np.asarray(lp), np.asarray(ent)
       mismatch.append(float(mis))
     arrays["logp_old"] = logp_old
     t_score = time.perf_counter() - t0
@@ -271,8 +275,8 @@ class RLRun:
     t0 = time.perf_counter()
     for _ in range(int(self.rl.updates_per_step)):
       grads, sums = None, {}
-      for rows in chunks:
-        g, m = update_lib.micro_grads(self.model, self.optimizer, self._micro(arrays, rows), self.obj,
+      for rows, t in chunks:
+        g, m = update_lib.micro_grads(self.model, self.optimizer, self._micro(arrays, rows, t), self.obj,
                                       self.tc, len(chunks), replay)
         grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
         # loss terms add up over micro-batches (whole-batch weights); the rest are token averages
@@ -290,7 +294,8 @@ class RLRun:
       out["routing_mismatch"] = float(np.mean(mismatch))
     out.update(score_s=t_score, update_s=t_update, sync_s=t_sync,
                tokens=float(tokens), batch_rows=float(b),
-               batch_len=float(arrays["mask"].shape[1]))
+               batch_len=float(arrays["mask"].shape[1]),
+               padded_tokens=float(sum(len(rows) * t for rows, t in chunks)))
     return out
 
   def _domain_metrics(self, episodes, rewards, parts, arrays, entropy) -> dict[str, float]:

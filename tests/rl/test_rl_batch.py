@@ -46,6 +46,27 @@ def test_to_batch_shifts_and_masks():
   np.testing.assert_array_equal(b["advantages"], [0.5, -0.5])
 
 
+def test_micro_batches_group_rows_by_length():
+  lengths = [5, 130, 700, 64, 640, 129, 1, 300, 768, 200, 130]
+  chunks = batch_lib.micro_batches(lengths, 3, 128)
+  rows = np.concatenate([r for r, _ in chunks])
+  np.testing.assert_array_equal(np.sort(rows), np.arange(len(lengths)))  # every row once
+  assert [len(r) for r, _ in chunks] == [3, 3, 3, 2]
+  by_len = [lengths[i] for i in rows]
+  assert by_len == sorted(lengths, reverse=True)
+  assert list(rows[[5, 6]]) == [1, 10]  # equal lengths keep batch order
+  for r, t in chunks:  # each cut holds its rows, to the next multiple of 128 and no further
+    longest = max(lengths[i] for i in r)
+    assert t % 128 == 0 and longest <= t < longest + 128
+  assert [t for _, t in chunks] == [768, 384, 256, 128]
+  padded = batch_lib.micro_batches(lengths, 3, 128, by_length=False)
+  assert [list(r) for r, _ in padded] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10]]
+  assert {t for _, t in padded} == {768}
+  assert batch_lib.micro_batches([], 3, 128) == []
+  with pytest.raises(ValueError, match="config.rl.micro_batch"):
+    batch_lib.micro_batches(lengths, 0, 128)
+
+
 def test_reward_shaping_and_groups():
   ep = _two_turn()  # the engine forced </think> in turn 2
   clean = _two_turn()
