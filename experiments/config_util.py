@@ -13,6 +13,26 @@ def define_config_flag(required: bool = True):
   return holder
 
 
+def define_distributed_flags():
+  """Defines --coordinator_address, --num_processes, --process_id, --local_device_ids and
+  --distributed (one process, or many: sharding/distributed.py); returns a function that
+  initialises jax.distributed from them (call it before anything touches a device)."""
+  coord = flags.DEFINE_string("coordinator_address", None,
+                              "host:port of process 0 (env JAX_COORDINATOR_ADDRESS).")
+  nproc = flags.DEFINE_integer("num_processes", None, "Number of processes (env JAX_NUM_PROCESSES).")
+  pid = flags.DEFINE_integer("process_id", None, "This process's id (env JAX_PROCESS_ID).")
+  local = flags.DEFINE_string("local_device_ids", None,
+                              "Comma list of local device ids (env JAX_LOCAL_DEVICE_IDS).")
+  from sharding import distributed
+  mode = flags.DEFINE_enum("distributed", "auto", list(distributed.MODES),
+                           "Call jax.distributed.initialize: auto (when addresses are given), on, off.")
+
+  def initialize() -> bool:
+    return distributed.initialize(mode.value, coordinator_address=coord.value, num_processes=nproc.value,
+                                  process_id=pid.value, local_device_ids=local.value)
+  return initialize
+
+
 def log_to_workdir(workdir: str, program: str) -> None:
   """Sends absl (and orbax's) INFO lines to <workdir>/logs/<program>.INFO; the console keeps
   warnings, errors and what the launcher prints itself (progress, the summary)."""

@@ -30,28 +30,19 @@ import json
 import jax
 from absl import app, flags
 
-from experiments.config_util import define_config_flag, log_to_workdir
-from sharding import distributed
+from experiments.config_util import define_config_flag, define_distributed_flags, log_to_workdir
 from training.loop import run
 
 _CONFIG = define_config_flag()
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (local path or URL).")
-_COORD = flags.DEFINE_string("coordinator_address", None,
-                             "host:port of process 0 (env JAX_COORDINATOR_ADDRESS).")
-_NPROC = flags.DEFINE_integer("num_processes", None, "Number of processes (env JAX_NUM_PROCESSES).")
-_PID = flags.DEFINE_integer("process_id", None, "This process's id (env JAX_PROCESS_ID).")
-_LOCAL = flags.DEFINE_string("local_device_ids", None,
-                             "Comma list of local device ids (env JAX_LOCAL_DEVICE_IDS).")
-_MODE = flags.DEFINE_enum("distributed", "auto", list(distributed.MODES),
-                          "Call jax.distributed.initialize: auto (when addresses are given), on, off.")
+_INIT_DISTRIBUTED = define_distributed_flags()
 
 
 def main(argv):
   del argv
   if not _WORKDIR.value:
     raise app.UsageError("--workdir is required (a local path or a gs:// / s3:// URL).")
-  distributed.initialize(_MODE.value, coordinator_address=_COORD.value, num_processes=_NPROC.value,
-                         process_id=_PID.value, local_device_ids=_LOCAL.value)
+  _INIT_DISTRIBUTED()
   log_to_workdir(_WORKDIR.value, f"pretrain.p{jax.process_index()}")
   summary = run(_CONFIG.value, _WORKDIR.value)
   if jax.process_index() == 0:

@@ -17,6 +17,10 @@ Each step:
 Checkpoints (orbax, as pretraining) hold the policy, optimizer, step and the task sampler's
 state (stream positions, adaptive weights); every sampling seed is a function of (seed, step,
 index), so a resumed run continues exactly as an uninterrupted one.
+
+Several processes (`experiments.rl --num_processes=N ...`): the update runs on the global mesh;
+each process plays whole groups of the step's jobs on its own engine and all exchange the
+episodes, so every process builds the same batch (rl/train/multiprocess.py).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from rl.agent.policy import EnginePolicy, Sampling
 from rl.envs.base import EnvContext
 from rl.sft.data import parse_tier_mix
 from rl.train import batch as batch_lib
+from rl.train import multiprocess as mp
 from rl.train import objectives as obj_lib
 from rl.train import update as update_lib
 from rl.train.mixture import MixtureSampler, parse_levels, parse_mixture
@@ -128,11 +133,13 @@ class RLRun:
       if config.checkpoint.get("init_from"):
         restore_params(config.checkpoint.init_from, self.ref_model)
     s = config.serving
-    self.engine = Engine(self.rollout_weights(), self.tokenizer, slots=s.slots, max_context=s.max_context,
-                         prefill_chunk=s.prefill_chunk, seed=s.seed, prefix_cache_mb=s.prefix_cache_mb,
-                         prefix_cache_block=s.prefix_cache_block,
-                         prefix_cache_exact=s.prefix_cache_exact, decode_steps=s.decode_steps,
-                         batch_invariant=s.batch_invariant).start()
+    weights = self.rollout_weights()
+    with mp.engine_context():
+      self.engine = Engine(weights, self.tokenizer, slots=s.slots, max_context=s.max_context,
+                           prefill_chunk=s.prefill_chunk, seed=s.seed, prefix_cache_mb=s.prefix_cache_mb,
+                           prefix_cache_block=s.prefix_cache_block,
+                           prefix_cache_exact=s.prefix_cache_exact, decode_steps=s.decode_steps,
+                           batch_invariant=s.batch_invariant).start()
     renderer = ChatRenderer(self.tokenizer, cfg.vision.num_patches if cfg.vision.enabled else 0)
     # Routing is always recorded (the mismatch metric); config.rl.routing_replay replays it.
     self.moe = any(k == "moe" for k in cfg.ffn_kinds)
@@ -175,8 +182,7 @@ class RLRun:
     played_sources: list[str] = []
     for round_ in range(1 + int(self.rl.max_refills) if self.obj.dynamic_sampling else 1):
       jobs, srcs = self._jobs(step, round_)
-      eps = asyncio.run(run_episodes(jobs, self.policy, self.executor, concurrency=self.engine.slots,
-                                     config=self.loop_config))
+      eps = self._play(jobs)
       stats["rounds"] += 1
       stats["episodes_played"] += len(eps)
       played_success += [float(e.success) for e in eps]
@@ -209,6 +215,16 @@ class RLRun:
     stats["generated_tokens"] = float(sum(e.generated_tokens for e in kept))
     return kept, sources, stats
 
+  def _play(self, jobs: list[tuple]) -> list[Episode]:
+    """Plays `jobs` (in groups of samples_per_prompt): all here with one process; else this
+    process's share of the groups, then every process's episodes, in job order."""
+    size = int(self.rl.samples_per_prompt)
+    groups = len(jobs) // size
+    mine = [jobs[g * size + i] for g in mp.my_groups(groups) for i in range(size)]
+    eps = asyncio.run(run_episodes(mine, self.policy, self.executor, concurrency=self.engine.slots,
+                                   config=self.loop_config))
+    return eps if jax.process_count() == 1 else mp.in_job_order(mp.gather_objects(eps), groups, size)
+
   # ---- the update -----------------------------------------------------------------
   def _micro(self, arrays: dict[str, np.ndarray], rows: slice | np.ndarray, t: int | None = None
              ) -> dict[str, jax.Array]:
@@ -219,7 +235,7 @@ class RLRun:
     for k, v in arrays.items():
       part = v[rows] if v.ndim == 1 else v[rows, :t]
       spec = activation_spec(("batch",) + (None,) * (part.ndim - 1), part.shape, dict(self.mesh.shape))
-      out[k] = jax.device_put(part, jax.sharding.NamedSharding(self.mesh, spec))
+      out[k] = mp.put_global(np.ascontiguousarray(part), jax.sharding.NamedSharding(self.mesh, spec))
     return out
 
   def rollout_weights(self) -> Horizon:
@@ -227,16 +243,19 @@ class RLRun:
     a copy with its routed experts or every linear weight in MXFP4, quantized from the current
     policy at each weight sync; TIS corrects the gap, which abs_dlogp and rollout_kl report."""
     what = str(self.rl.rollout_quantization)
+    local = mp.local_copy(self.model)  # the model itself with one process
     if what == "none":
-      return self.model
-    copy = nnx.clone(self.model)
+      return local
+    copy = nnx.clone(local)
     quantize_model(copy, what)
     return copy
 
   def sync_weights(self) -> float:
     """Hands the policy's weights to the engine (no file round trip); returns the seconds taken."""
     t0 = time.perf_counter()
-    self.engine.update_weights(self.rollout_weights())
+    weights = self.rollout_weights()
+    with mp.engine_context():
+      self.engine.update_weights(weights)
     return time.perf_counter() - t0
 
   def update(self, episodes: Sequence[Episode], sync: bool = True) -> dict[str, Any]:
@@ -253,7 +272,7 @@ class RLRun:
       arrays["logp_ref"] = np.zeros_like(arrays["mask"])
       for rows, t in chunks:
         ref = update_lib.score(self.ref_model, self._micro(arrays, rows, t))[0]
-        arrays["logp_ref"][rows, :t] = np.asarray(ref)
+        arrays["logp_ref"][rows, :t] = mp.to_host(ref)
       parts["kl"] = -obj_lib.kl_reward_penalty(arrays["logp_rollout"], arrays["logp_ref"], arrays["mask"],
                                                self.obj)
       rewards = rewards + parts["kl"]
@@ -266,8 +285,8 @@ class RLRun:
     mismatch = []
     for rows, t in chunks:
       lp, ent, mis = update_lib.score(self.model, self._micro(arrays, rows, t), replay)
-      logp_old[rows, :t], entropy[rows, :t] = np.asarray(lp), np.asarray(ent)
-      mismatch.append(float(mis))
+      logp_old[rows, :t], entropy[rows, :t] = mp.to_host(lp), mp.to_host(ent)
+      mismatch.append(float(mp.to_host(mis)))
     arrays["logp_old"] = logp_old
     t_score = time.perf_counter() - t0
     out: dict[str, Any] = {}
@@ -282,10 +301,10 @@ class RLRun:
         # loss terms add up over micro-batches (whole-batch weights); the rest are token averages
         share = arrays["mask"][rows].sum() / max(tokens, 1.0)
         for k, v in m.items():
-          sums[k] = sums.get(k, 0.0) + np.asarray(v, np.float64) * (1.0 if k in _ADDITIVE else share)
-      load = jnp.asarray(sums.pop("load") / len(chunks), jnp.float32) if "load" in sums else None
+          sums[k] = sums.get(k, 0.0) + mp.to_host(v).astype(np.float64) * (1.0 if k in _ADDITIVE else share)
+      load = (sums.pop("load") / len(chunks)).astype(np.float32) if "load" in sums else None
       applied = update_lib.apply_grads(self.model, self.optimizer, grads, load, self.tc)
-      out.update({k: float(np.asarray(v)) for k, v in applied.items()})
+      out.update({k: float(mp.to_host(v)) for k, v in applied.items()})
       out.update({k: float(v) for k, v in sums.items()})
     t_update = time.perf_counter() - t0
     t_sync = self.sync_weights() if sync else 0.0

@@ -67,6 +67,18 @@ def test_micro_batches_group_rows_by_length():
     batch_lib.micro_batches(lengths, 0, 128)
 
 
+def test_processes_split_whole_groups_and_reassemble_job_order():
+  from rl.train import multiprocess as mp
+  assert mp.my_groups(5, 0, 2) == [0, 2, 4] and mp.my_groups(5, 1, 2) == [1, 3]
+  assert mp.my_groups(3, 0, 1) == [0, 1, 2]
+  jobs = [f"g{g}s{s}" for g in range(5) for s in range(3)]  # 5 groups of 3 samples
+  played = [[jobs[g * 3 + s] for g in mp.my_groups(5, p, 2) for s in range(3)] for p in range(2)]
+  assert mp.in_job_order(played, 5, 3) == jobs
+  with pytest.raises(RuntimeError, match="process 1 returned 5 episodes for 2 groups of 3"):
+    mp.in_job_order([played[0], played[1][:5]], 5, 3)
+  assert mp.gather_objects([1, "a"]) == [[1, "a"]]  # one process: its own list
+
+
 def test_reward_shaping_and_groups():
   ep = _two_turn()  # the engine forced </think> in turn 2
   clean = _two_turn()
