@@ -36,6 +36,10 @@ def gather_objects(objs: Sequence[Any]) -> list[list[Any]]:
   """Every process's list of picklable objects, in process order (all processes must call)."""
   if jax.process_count() == 1:
     return [list(objs)]
+  # Processes finish their rollouts at different times. Wait on the barrier built at start-up
+  # (sharding/distributed.py) first: gloo gives up on building a new communicator, as the
+  # all-gathers below may need, when its members arrive more than 30 s apart.
+  multihost_utils.sync_global_devices("rl_gather_objects")
   data = np.frombuffer(pickle.dumps(list(objs), protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
   sizes = np.asarray(multihost_utils.process_allgather(np.asarray([data.size], np.int64)))
   padded = np.zeros(int(sizes.max()), np.uint8)
