@@ -162,7 +162,7 @@ class Horizon(nnx.Module):
     default arange. segment_ids: packed-document ids; tokens attend and carry
     state only within their segment; default all one segment.
     aux: indexer_loss (mean over DSA layers), z_loss and seq_aux_loss (mean
-    over MoE layers; both over real tokens only, segment id > 0), load
+    over MoE layers; padding, segment id 0, adds nothing to either), load
     [num_moe_layers, num_experts] token counts of the real tokens,
     dropped [num_moe_layers] assignments dropped by a capacity-limited
     expert-parallel exchange (0 on one device), routed int32 [num_moe_layers,
