@@ -41,7 +41,7 @@ from rl.train import update as update_lib
 
 
 def _as_device(arrays: Mapping[str, np.ndarray], rows: np.ndarray, t: int) -> dict[str, jax.Array]:
-  return {k: jnp.asarray(v[rows] if v.ndim == 1 else v[rows, :t]) for k, v in arrays.items()}
+  return {k: jnp.asarray(v) for k, v in batch_lib.cut(arrays, rows, t).items()}
 
 
 def _side(model, optimizer, arrays, chunks, obj, tc, put: Callable) -> tuple[float, float, np.ndarray, list]:

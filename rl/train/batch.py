@@ -126,6 +126,11 @@ def micro_batches(lengths: Sequence[int], micro_batch: int, pad_multiple: int,
   return [(rows, -(-n // pad_multiple) * pad_multiple) for rows, n in zip(chunks, longest, strict=True)]
 
 
+def cut(arrays: Mapping[str, np.ndarray], rows, t: int | None) -> dict[str, np.ndarray]:
+  """A micro-batch: `rows` of every array, the [B, T, ...] ones cut to their first t positions."""
+  return {k: v[rows] if v.ndim == 1 else v[rows, :t] for k, v in arrays.items()}
+
+
 def domain_means(values: np.ndarray, domains: Sequence[str]) -> Mapping[str, float]:
   """Mean of a per-episode value within each domain."""
   out: dict[str, list[float]] = {}

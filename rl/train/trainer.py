@@ -232,8 +232,7 @@ class RLRun:
     (data, fsdp, expert) as pretraining's batches are; a micro-batch the axes do not divide stays
     whole."""
     out = {}
-    for k, v in arrays.items():
-      part = v[rows] if v.ndim == 1 else v[rows, :t]
+    for k, part in batch_lib.cut(arrays, rows, t).items():
       spec = activation_spec(("batch",) + (None,) * (part.ndim - 1), part.shape, dict(self.mesh.shape))
       out[k] = mp.put_global(np.ascontiguousarray(part), jax.sharding.NamedSharding(self.mesh, spec))
     return out
