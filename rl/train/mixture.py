@@ -3,10 +3,16 @@
 `config.rl.mixture` is "source=weight,..." where a source is a domain (its generator's
 `train` split at `config.rl.difficulty[domain]`) or `file:PATH` (a JSONL task file in the
 public schema; each task is graded by its own domain's environment). Every source is an
-endless, deterministic stream: generated domains draw chunk k with seed (seed, k); files
-cycle in a shuffled order per pass. The sampler's whole state (each stream's position, the
-adaptive weights and their progress averages) is a small JSON object the checkpoint keeps,
-so a resumed run draws exactly the tasks an uninterrupted one would.
+endless, deterministic stream: generated domains draw chunk k with generator seed
+RL_SEED_BASE + seed * 100_003 + k; files cycle in a shuffled order per pass. SFT draws its
+oracle tasks with the small seeds `config.sft.task_seed` (rl/sft/source.py), so RL never
+replays the task set its warm start was trained on (with seed 0 for both, the first chunk
+was exactly SFT's first 64 tasks per domain, and RL rewarded answers the policy had
+memorised). Question texts may still coincide by chance where a level's space is small.
+
+The sampler's whole state (each stream's position, the adaptive weights and their progress
+averages) is a small JSON object the checkpoint keeps, so a resumed run draws exactly the
+tasks an uninterrupted one would.
 
 Adaptive weights (`config.rl.adaptive`): each source's learning progress is the gap between a
 fast and a slow moving average of its success rate, |fast - slow| (absolute learning
@@ -26,6 +32,7 @@ from rl.tasks import generators
 from rl.tasks.schema import DOMAINS, Task, load_tasks
 
 _CHUNK = 64  # generated tasks per stream chunk
+RL_SEED_BASE = 1_000_000  # generator seeds of RL streams start here; SFT's task seeds are small
 
 
 def parse_mixture(text: str) -> dict[str, float]:
@@ -100,7 +107,7 @@ class _Stream:
         chunk = [t.with_(id=f"{t.id}#p{k}") for t in chunk]
       else:
         chunk = generators.generate(self.source, split=self.split, difficulty=self.level, n=_CHUNK,
-                                    seed=self.seed * 100_003 + k)
+                                    seed=RL_SEED_BASE + self.seed * 100_003 + k)
       self._cache = {k: chunk}  # one chunk in memory
     return self._cache[k]
 

@@ -8,7 +8,7 @@ import pytest
 from rl.agent.episode import Episode, TurnSpan
 from rl.train import batch as batch_lib
 from rl.train import objectives as obj_lib
-from rl.train.mixture import AdaptiveWeights, MixtureSampler, parse_levels, parse_mixture
+from rl.train.mixture import RL_SEED_BASE, AdaptiveWeights, MixtureSampler, parse_levels, parse_mixture
 
 THINK_END = 99
 
@@ -121,6 +121,18 @@ def test_sampler_is_deterministic_and_resumes_exactly():
   assert len({t for _, t in first + nxt}) == 12  # streams never repeat a task
   with pytest.raises(ValueError, match="same config.rl.mixture"):
     MixtureSampler({"math": 1.0, "cad": 1.0}, {}, seed=3).set_state(state)
+
+
+def test_rl_streams_do_not_replay_the_sft_task_set():
+  """SFT trains on generate(seed=config.sft.task_seed); RL's streams draw other tasks."""
+  from rl.tasks import generators
+  sft_prompts = {t.prompt for t in generators.generate("math", split="train", difficulty=0, n=64, seed=0)}
+  drawn = [t for _, t in MixtureSampler({"math": 1.0}, {"math": 0}, seed=0).draw(0, 64)]
+  shared = sum(t.prompt in sft_prompts for t in drawn)
+  # Before RL_SEED_BASE the first chunk was SFT's first 64 tasks (64 shared); now only chance
+  # coincidences remain (8 here: level 0 draws one-digit operands often, and those questions repeat).
+  assert shared <= 16, shared
+  assert all(f"-s{RL_SEED_BASE}-" in t.id for t in drawn)
 
 
 def test_file_source(tmp_path):
