@@ -114,7 +114,9 @@ def test_expression_steps_follow_precedence():
   steps = []
   value = gen._eval(ast.parse("-( 3 - 5 ) * 2 + 12 / 4", mode="eval").body, steps)
   assert value == Fraction(7)
-  assert steps == ["3 - 5 = -2", "-(-2) = 2", "2 * 2 = 4", "12 / 4 = 3", "4 + 3 = 7"]
+  assert steps == ["3 - 5 = -(5 - 3); 5 - 3, digit by digit from the right:", "5 - 3 = 2 -> 2", "5 - 3 = 2",
+                   "3 - 5 = -2", "-(-2) = 2", "2 * 2 = 4", "12 / 4 = 3",
+                   "4 + 3, digit by digit from the right:", "4 + 3 = 7 -> 7", "4 + 3 = 7"]
 
 
 def _last_digits(line: str) -> str:
@@ -137,8 +139,8 @@ def test_column_working_is_exact():
 
 
 def test_column_working_in_the_oracle():
-  """Two-digit + and - think digit by digit (carry, borrow, a negative difference); one digit each
-  is a plain fact; the steps still end in the value."""
+  """+ and - of whole numbers think digit by digit (carry, borrow, a negative difference), one
+  digit each too (one column of the table); the steps still end in the value."""
   def thinking(expr):
     steps = []
     value = gen._eval(ast.parse(expr, mode="eval").body, steps)
@@ -149,8 +151,35 @@ def test_column_working_in_the_oracle():
   steps, value = thinking("57 - 65")
   assert steps == ["57 - 65 = -(65 - 57); 65 - 57, digit by digit from the right:",
                    "5 - 7 + 10 = 8 -> 8 borrow 1", "6 - 1 - 5 = 0 -> 08", "65 - 57 = 8", "57 - 65 = -8"]
-  assert thinking("3 + 6")[0] == ["3 + 6 = 9"]
+  assert thinking("3 + 6")[0] == ["3 + 6, digit by digit from the right:", "3 + 6 = 9 -> 9", "3 + 6 = 9"]
+  assert thinking("1 - 9") == (["1 - 9 = -(9 - 1); 9 - 1, digit by digit from the right:", "9 - 1 = 8 -> 8",
+                                "9 - 1 = 8", "1 - 9 = -8"], -8)
   assert thinking("12 * 3")[0] == ["12 * 3 = 36"]
+
+
+def test_max_tier_counts_every_column():
+  """At max each + / - column is counted unit by unit (numbered successor steps) and the column
+  line that follows holds the count's end; without the count lines it is the high working."""
+  rng = __import__("random").Random(1)
+  pairs = [(rng.randrange(10**rng.randint(1, 4)), rng.randrange(10**rng.randint(1, 4))) for _ in range(500)]
+  for a, b in pairs:
+    hi, lo = max(a, b), min(a, b)
+    for lines, sign in ((gen._column_add(a, b, count=True), 1), (gen._column_sub(hi, lo, count=True), -1)):
+      plain = [line for line in lines if not line.startswith("count ")]
+      assert plain == (gen._column_add(a, b) if sign > 0 else gen._column_sub(hi, lo))
+      for i, line in enumerate(lines):
+        if not line.startswith("count "):
+          continue
+        head, marks = line.split(": ")
+        start, n = int(head.split()[3]), int(head.split()[5])
+        values = [int(m.split(" (")[0]) for m in marks.split(", ")]
+        assert values == [start + sign * k for k in range(1, n + 1)] and n > 0
+        assert lines[i + 1].split(" = ")[1].split(" ->")[0] == str(values[-1])  # the column's result
+  tiers = [t.oracle[0]["thinking_by_tier"] for t in gen.generate(split="train", difficulty=0, n=40, seed=2)]
+  assert all("count " not in t["high"] for t in tiers)
+  assert sum("count " in t["max"] for t in tiers) >= 36  # all but sums like 30 + 0, with nothing to count
+  worked = "gcd(12, 8) by Euclid's algorithm:\n12 = 1 × 8 + 4\n8 = 2 × 4 + 0\nso gcd = 4"
+  assert "Check, working it again" in gen.thinking_by_tier(worked, "4")["max"]  # no columns: a second pass
 
 
 def test_wrong_answer_differs():

@@ -21,8 +21,9 @@ whole numbers digit by digit with carries and borrows, Euclid's
 algorithm, the per-item counts, the equation rearranged; gsm_symbolic's own chain of
 thought) and answers `<answer>X</answer>`; a task is only written when our value agrees
 with reasoning-gym's answer under the grader's exact comparison. Its thinking follows the
-tier (`thinking_by_tier`): the result alone at `low`, the working at `high`, the working and a
-second pass as a check at `max`.
+tier (`thinking_by_tier`): the result alone at `low`, the working at `high`, and at `max` the
+slowest route: + and - columns counted unit by unit before each is written (the successor
+alone, not the digit table), other working followed by a second pass as a check.
 """
 
 from __future__ import annotations
@@ -103,8 +104,19 @@ def _fmt(x: Fraction) -> str:
   return str(x.numerator) if x.denominator == 1 else f"{x.numerator}/{x.denominator}"
 
 
-def _column_add(a: int, b: int) -> list[str]:
-  """a + b (both >= 0) column by column from the right; each line ends with the digits so far."""
+def _count(start: int, n: int, step: int) -> list[str]:
+  """`n` unit steps from `start` (step +1 or -1), each numbered: the column's fact worked out
+  from the successor alone, for the max tier ([] for no steps)."""
+  if n == 0:
+    return []
+  word = "up" if step > 0 else "down"
+  marks = ", ".join(f"{start + step * k} ({k})" for k in range(1, n + 1))
+  return [f"count {word} from {start} by {n}: {marks}"]
+
+
+def _column_add(a: int, b: int, count: bool = False) -> list[str]:
+  """a + b (both >= 0) column by column from the right; each line ends with the digits so far.
+  count: each column's sum is first counted up unit by unit (`_count`)."""
   xs, ys = str(a)[::-1], str(b)[::-1]
   width, carry, so_far, lines = max(len(xs), len(ys)), 0, "", []
   for i in range(width):
@@ -112,20 +124,25 @@ def _column_add(a: int, b: int) -> list[str]:
     total = x + y + carry
     last = i == width - 1
     so_far = (str(total) if last else str(total % 10)) + so_far
+    if count:
+      lines += _count(x, y + carry, 1)
     lines.append(f"{x} + {y}{' + 1' if carry else ''} = {total} -> {so_far}"
                  + (" carry 1" if total >= 10 and not last else ""))
     carry = total // 10
   return lines
 
 
-def _column_sub(a: int, b: int) -> list[str]:
-  """a - b (a >= b >= 0) column by column from the right, borrowing where a digit is short."""
+def _column_sub(a: int, b: int, count: bool = False) -> list[str]:
+  """a - b (a >= b >= 0) column by column from the right, borrowing where a digit is short.
+  count: each column's difference is first counted down unit by unit (`_count`)."""
   xs, ys = str(a)[::-1], str(b)[::-1]
   borrow, so_far, lines = 0, "", []
   for i in range(len(xs)):
     x, y = int(xs[i]), int(ys[i]) if i < len(ys) else 0
     top = x - borrow
     head = f"{x}{' - 1' if borrow else ''} - {y}"
+    if count:  # x - borrow - y (+ 10): down from x (+ 10) by y + borrow
+      lines += _count(x + 10 * (top < y), y + borrow, -1)
     if top < y:
       digit, borrow, tail = top + 10 - y, 1, " borrow 1"
       head += " + 10"
@@ -136,51 +153,55 @@ def _column_sub(a: int, b: int) -> list[str]:
   return lines
 
 
-def _column_steps(left: Fraction, symbol: str, right: Fraction, value: Fraction) -> list[str]:
-  """Digit-by-digit working for + and - of whole numbers >= 0, one of them >= 10 (a small model
-  learns the digit table and the carry, not every pair of numbers); [] where it does not apply."""
+def _column_steps(left: Fraction, symbol: str, right: Fraction, value: Fraction,
+                  count: bool = False) -> list[str]:
+  """Digit-by-digit working for + and - of whole numbers >= 0 (a small model learns the digit
+  table and the carry, not every pair of numbers); [] where it does not apply.
+
+  One-digit operands get the same column line: the table is learnt from the columns of every
+  longer sum, so a held-out `3 + 8` or `1 - 9` (a question never trained on, as the splits
+  share no question text) is one column of the table rather than a fact to have memorised."""
   if symbol not in "+-" or left.denominator != 1 or right.denominator != 1 or left < 0 or right < 0:
     return []
   a, b = int(left), int(right)
-  if a < 10 and b < 10:
-    return []  # one digit each: a fact of the table itself
   if symbol == "+":
-    return [f"{a} + {b}, digit by digit from the right:", *_column_add(a, b)]
+    return [f"{a} + {b}, digit by digit from the right:", *_column_add(a, b, count)]
   if a >= b:
-    return [f"{a} - {b}, digit by digit from the right:", *_column_sub(a, b)]
-  return [f"{a} - {b} = -({b} - {a}); {b} - {a}, digit by digit from the right:", *_column_sub(b, a),
+    return [f"{a} - {b}, digit by digit from the right:", *_column_sub(a, b, count)]
+  return [f"{a} - {b} = -({b} - {a}); {b} - {a}, digit by digit from the right:", *_column_sub(b, a, count),
           f"{b} - {a} = {b - a}"]
 
 
-def _eval(node: ast.AST, steps: list[str]) -> Fraction:
-  """Exact value of an arithmetic AST, appending one line per operation (innermost first)."""
+def _eval(node: ast.AST, steps: list[str], count: bool = False) -> Fraction:
+  """Exact value of an arithmetic AST, appending one line per operation (innermost first);
+  count: + and - columns are counted unit by unit first (the max tier's working)."""
   if isinstance(node, ast.Constant) and isinstance(node.value, int):
     return Fraction(node.value)
   if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-    value = _eval(node.operand, steps)
+    value = _eval(node.operand, steps, count)
     if isinstance(node.op, ast.UAdd):
       return value
     if not isinstance(node.operand, ast.Constant):  # a negated group is a step; -7 is a number
       steps.append(f"-({_fmt(value)}) = {_fmt(-value)}")
     return -value
   if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-    left, right = _eval(node.left, steps), _eval(node.right, steps)
+    left, right = _eval(node.left, steps, count), _eval(node.right, steps, count)
     symbol, fn = _OPS[type(node.op)]
     if symbol == "/" and right == 0:
       raise ZeroDivisionError
     value = fn(left, right)
-    steps.extend(_column_steps(left, symbol, right, value))
+    steps.extend(_column_steps(left, symbol, right, value, count))
     steps.append(f"{_fmt(left)} {symbol} {_fmt(right)} = {_fmt(value)}")
     return value
   raise ValueError(f"unsupported expression node {ast.dump(node)}")
 
 
-def _solve_expression(item: dict[str, Any]) -> tuple[str, Fraction] | None:
+def _solve_expression(item: dict[str, Any], count: bool = False) -> tuple[str, Fraction] | None:
   """Steps of an arithmetic expression in the usual order (parentheses, * and /, left to right)."""
   expression = item["metadata"]["expression"]
   steps: list[str] = []
   try:
-    value = _eval(ast.parse(expression.replace("×", "*"), mode="eval").body, steps)
+    value = _eval(ast.parse(expression.replace("×", "*"), mode="eval").body, steps, count)
   except ZeroDivisionError:
     return None
   lines = "\n".join(steps) if steps else f"{expression} = {_fmt(value)}"
@@ -319,6 +340,7 @@ def _draw(split: str, difficulty: int, seed: int, index: int, mix: dict[str, flo
     if solved is None:
       continue  # e.g. an expression whose true value is not reasoning-gym's floor division
     thinking, value = solved
+    counted = _solve_expression(item, count=True)[0] if SOLVERS[name] is _solve_expression else None
     if abs(value) > MAX_ABS_ANSWER:
       continue
     if not answers_match(_fmt(value), item["answer"]):
@@ -327,18 +349,20 @@ def _draw(split: str, difficulty: int, seed: int, index: int, mix: dict[str, flo
       raise RuntimeError(f"{name} (seed {rg_seed}): our worked value {_fmt(value)} disagrees with "
                          f"reasoning-gym's answer {item['answer']!r} for {item['question']!r}")
     return {"name": name, "config": config, "rg_seed": rg_seed, "item": item, "thinking": thinking,
-            "answer": str(item["answer"])}
+            "counted": counted, "answer": str(item["answer"])}
   raise RuntimeError(f"no {split} question at math level {difficulty} after {_MAX_DRAWS} draws")
 
 
-def thinking_by_tier(worked: str, answer: str) -> dict[str, str]:
+def thinking_by_tier(worked: str, answer: str, counted: str | None = None) -> dict[str, str]:
   """How deep to think at each tier: `low` states only the worked solution's last line (the
-  result, no working), `high` the whole worked solution, `max` the worked solution and then a
-  second pass through it as a check."""
+  result, no working), `high` the whole worked solution, `max` the slowest careful route:
+  `counted` where given (the same working with every + and - column first counted unit by
+  unit, from the successor alone rather than recalled from the digit table), else the worked
+  solution and a second pass through it as a check."""
   lines = worked.splitlines()
   end = f"So the answer is {answer}."
-  return {"low": f"{lines[-1]}\n{end}", "high": f"{worked}\n{end}",
-          "max": f"{worked}\nCheck, working it again:\n{worked}\n{end}"}
+  slow = counted if counted and counted != worked else f"{worked}\nCheck, working it again:\n{worked}"
+  return {"low": f"{lines[-1]}\n{end}", "high": f"{worked}\n{end}", "max": f"{slow}\n{end}"}
 
 
 def generate(*, split: str, difficulty: int, n: int, seed: int = 0,
@@ -357,7 +381,7 @@ def generate(*, split: str, difficulty: int, n: int, seed: int = 0,
            "max_turns": MAX_TURNS,
            "oracle": [dict(common.turn(thinking=f"{d['thinking']}\nSo the answer is {d['answer']}.",
                                        content=f"<answer>{d['answer']}</answer>"),
-                           thinking_by_tier=thinking_by_tier(d["thinking"], d["answer"]))],
+                           thinking_by_tier=thinking_by_tier(d["thinking"], d["answer"], d["counted"]))],
            "meta": common.meta(DOMAIN, split, difficulty, seed, source=d["name"], rg_seed=d["rg_seed"],
                                rg_config=d["config"])}
     tasks.append(parse_task(obj, obj["id"]))
