@@ -10,7 +10,7 @@ Oracle conversations are played through the agent loop with the real environment
 results are what the tools return), at the tier whose thinking budget holds the oracle's
 thinking (`data.tier_for_thinking`), or with config.sft.tiers at a tier drawn per task with
 the oracle's thinking for that tier (`thinking_by_tier`: e.g. math's result alone at low,
-the working at high, the working and a check at max): the model learns to think as deep as
+the working at high, each column counted unit by unit at max): the model learns to think as deep as
 the tier it is told.
 """
 
