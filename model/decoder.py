@@ -64,8 +64,18 @@ class Block(nnx.Module):
 
   def __call__(self, x, positions, segment_ids, replay=None):
     """replay: optional MoE routing replay (ids [b, t, k], use [b, t]); see MoE.route.
-    Padding (segment id 0) is left out of the MoE's load and balance losses."""
-    h, attn_aux = self.attn(self.attn_norm(x), positions, segment_ids)
+
+    Padding (segment id 0) adds nothing to the auxiliary losses, which stay means over every
+    position (so a gradient-accumulated batch's micro-batch means average to the whole batch's):
+    the MoE leaves it out of load and balance statistics, and DSA sees it as segment -1 (attends
+    to nothing, never attended), its indexer KL then being the real query rows' sum over all
+    rows. Delta layers need no such id: padding trails its row and its state is dropped."""
+    if self.kind == "dsa":
+      h, attn_aux = self.attn(self.attn_norm(x), positions, jnp.where(segment_ids > 0, segment_ids, -1))
+      # GatedDSA averages over its live query rows; rescale to a mean over every row.
+      attn_aux = {**attn_aux, "indexer_loss": attn_aux["indexer_loss"] * jnp.mean(segment_ids > 0)}
+    else:
+      h, attn_aux = self.attn(self.attn_norm(x), positions, segment_ids)
     x, ffn_aux = self._ffn(x + h, replay, segment_ids > 0)
     return x, {**attn_aux, **ffn_aux}
 
@@ -162,7 +172,7 @@ class Horizon(nnx.Module):
     default arange. segment_ids: packed-document ids; tokens attend and carry
     state only within their segment; default all one segment.
     aux: indexer_loss (mean over DSA layers), z_loss and seq_aux_loss (mean
-    over MoE layers; padding, segment id 0, adds nothing to either), load
+    over MoE layers); padding, segment id 0, adds nothing to any of them, load
     [num_moe_layers, num_experts] token counts of the real tokens,
     dropped [num_moe_layers] assignments dropped by a capacity-limited
     expert-parallel exchange (0 on one device), routed int32 [num_moe_layers,

@@ -61,6 +61,19 @@ def test_packed_segments_do_not_interact(model, tiny_cfg):
   assert_close(lp[:, 19:], lb, what="segment B")
 
 
+def test_padding_leaves_logits_and_indexer_loss_alone(model, tiny_cfg):
+  """Trailing padding (segment id 0) changes no real token's logits and adds nothing to the DSA
+  indexer KL, which stays a mean over every position (the real rows' sum / all rows)."""
+  tok = text_tokens(tiny_cfg, (1, 21), 5)
+  padded = jnp.concatenate([tok, text_tokens(tiny_cfg, (1, 11), 6)], 1)
+  seg = (jnp.arange(32) < 21).astype(jnp.int32)[None]
+  pos = jnp.where(seg > 0, jnp.arange(32), 0).astype(jnp.int32)
+  lp, aux_p = fwd(model, padded, pos, seg)
+  lt, aux_t = fwd(model, tok)
+  assert_close(lp[:, :21], lt, what="real tokens' logits")
+  assert_close(aux_p["indexer_loss"], aux_t["indexer_loss"] * 21 / 32, what="indexer_loss")
+
+
 def test_prefill_then_decode_equals_full_forward(model, tiny_cfg):
   """Rows with different prompt lengths; logits equal the full forward's (f32, 1e-4)."""
   total, lengths = 30, np.array([7, 18])
