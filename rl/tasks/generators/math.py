@@ -340,7 +340,6 @@ def _draw(split: str, difficulty: int, seed: int, index: int, mix: dict[str, flo
     if solved is None:
       continue  # e.g. an expression whose true value is not reasoning-gym's floor division
     thinking, value = solved
-    counted = _solve_expression(item, count=True)[0] if SOLVERS[name] is _solve_expression else None
     if abs(value) > MAX_ABS_ANSWER:
       continue
     if not answers_match(_fmt(value), item["answer"]):
@@ -348,6 +347,7 @@ def _draw(split: str, difficulty: int, seed: int, index: int, mix: dict[str, flo
         continue  # its `/` is floor division; such items read as true division: ill-posed
       raise RuntimeError(f"{name} (seed {rg_seed}): our worked value {_fmt(value)} disagrees with "
                          f"reasoning-gym's answer {item['answer']!r} for {item['question']!r}")
+    counted = _solve_expression(item, count=True)[0] if SOLVERS[name] is _solve_expression else None
     return {"name": name, "config": config, "rg_seed": rg_seed, "item": item, "thinking": thinking,
             "counted": counted, "answer": str(item["answer"])}
   raise RuntimeError(f"no {split} question at math level {difficulty} after {_MAX_DRAWS} draws")
