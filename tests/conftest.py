@@ -1,5 +1,6 @@
 """Test set-up: 8 fake CPU devices and XLA's optimisation level, set before JAX is imported anywhere."""
 
+import gc
 import os
 
 # The test processes compile at XLA's backend (LLVM) optimisation level 0: the suite mostly compiles
@@ -21,7 +22,9 @@ import pytest  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 # No persistent compile cache in the test processes themselves: deserialising cached XLA:CPU
 # executables there aborted an xdist worker now and then (jax 0.10.2; four runs over two sessions,
-# in different tests, never reproduced alone; see tests/helpers.compile_cache_dir). The child
+# in different tests, never reproduced alone; see tests/helpers.compile_cache_dir). Those aborts
+# fit the memory-map limit found later (_release_compiled_programs below: loading an executable
+# maps it just as compiling does), but the cache has not been turned back on and retried. The child
 # processes tests launch (a run, its killed twin, its resume) still share one
 # (tests/helpers.subprocess_env). pyproject's --max-worker-restart=0 ends a run whose worker
 # crashed instead of letting --dist loadfile wait forever for the replacement (pytest-xdist 3.8).
@@ -48,6 +51,47 @@ def pytest_runtest_protocol(item, nextitem):
     yield
   finally:
     faulthandler.cancel_dump_traceback_later()
+
+
+def _memory_maps() -> int:
+  with open("/proc/self/maps") as f:
+    return sum(1 for _ in f)
+
+
+def _max_map_count() -> int:
+  try:
+    with open("/proc/sys/vm/max_map_count") as f:
+      return int(f.read())
+  except OSError:  # a container without /proc/sys: the kernel's default
+    return 65530
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+  """Drops JAX's cached compiled programs after a test file once they hold a quarter of the map limit.
+
+  XLA:CPU maps each loaded executable's code and data into the process (six to ten memory maps
+  per executable), and JAX's caches keep every program a jit ever compiled while its function
+  lives. Without this, an xdist worker running half the suite climbed to 64,413 maps, next to the
+  kernel's vm.max_map_count (65,530 by default). There the next compile logs "LLVM compilation
+  error: Cannot allocate memory" and the process dies of SIGSEGV in backend_compile_and_load, in
+  whichever test happens to be compiling: five suite runs lost a worker there, in four different
+  tests. Clearing unmaps them. Clearing after every file instead cost the suite ~3 minutes
+  (22:58 vs 19:31-19:50): fixtures that span files, such as the session's engine, recompile.
+  """
+  yield
+  if not os.path.exists("/proc/self/maps"):
+    return
+  limit = _max_map_count()
+  if _memory_maps() <= limit // 4:  # clearing after every file peaked at 17,599: one file's worth
+    return
+  jax.clear_caches()
+  gc.collect()
+  maps = _memory_maps()
+  if maps > limit // 2:  # a clear error now, not a SIGSEGV some tests later
+    raise RuntimeError(f"this test process holds {maps} memory maps after clearing JAX's caches "
+                       f"(vm.max_map_count is {limit}): something in this file keeps compiled "
+                       f"programs alive (a module-level jax.stages.Compiled, or a fixture)")
 
 
 @pytest.fixture(scope="session")
