@@ -105,6 +105,26 @@ def test_gradients_match_reference(t, chunk):
     assert_close(c, r, what=f"chunk d{name}")
 
 
+@pytest.mark.parametrize("per_step", [1, 3, 7])
+def test_chunks_per_step(per_step):
+  """Any number of chunks per scan step (the last step part padding, or more chunks per step
+  than the sequence has) gives the reference's outputs, state and gradients."""
+  t, chunk = 37, 4  # 10 chunks: 10 steps of 1, 4 of 3 (2 padded chunks), 1 of 7 with 7 > 10 / 2
+  q, k, v, g, beta, s0, reset = rule_inputs(3 + per_step, t)
+  f = _functional(2, t)
+  rule = functools.partial(chunk_gated_delta_rule, chunk_size=chunk, chunks_per_step=per_step)
+  o_ref, s_ref = naive_gated_delta_rule(q, k, v, g, beta, s0, reset)
+  o_chk, s_chk = jax.jit(rule)(q, k, v, g, beta, s0, reset)
+  assert_close(o_chk, o_ref, what="chunk o")
+  assert_close(s_chk, s_ref, what="chunk state")
+  args = (q, k, v, g, beta, s0)
+  ref = jax.grad(lambda *a: f(naive_gated_delta_rule(*a, reset)), tuple(range(6)))(*args)
+  chk = jax.jit(jax.grad(lambda *a: f(rule(*a, reset)), tuple(range(6))))(*args)
+  for name, r, c in zip(("q", "k", "v", "g", "beta", "initial_state"), ref, chk, strict=True):
+    assert float(jnp.linalg.norm(r)) > 0, name
+    assert_close(c, r, what=f"chunk d{name}")
+
+
 def test_check_grads_chunk():
   q, k, v, g, beta, s0, _ = rule_inputs((11), 6, b=1, h=2, kd=3, vd=2)
   reset = jnp.array([[False, False, False, True, False, False]])
@@ -207,6 +227,9 @@ def test_rule_bad_shapes():
     naive_gated_delta_rule(q, k, v, g, beta, s0, reset[:, :-1])
   with pytest.raises(ValueError, match="chunk_size"):
     chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=0)
+  for bad in (0, True, 2.0):
+    with pytest.raises(ValueError, match=f"chunks_per_step={bad!r} must be a positive int"):
+      chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=4, chunks_per_step=bad)
 
 
 # ---- the layer ----------------------------------------------------------------------------

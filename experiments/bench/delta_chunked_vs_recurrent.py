@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments.bench.common import compiled_peak_bytes, skip_message
-from model.attention.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from model.attention.delta_rule import CHUNKS_PER_STEP, chunk_gated_delta_rule, recurrent_gated_delta_rule
 
 BEFORE_REV = "f1bcca2"  # the last commit before issue 16's delta-rule change
 SKIP_BYTES = 16 * 2 ** 30  # configs needing more than this (by memory_analysis) are not run
@@ -137,7 +137,8 @@ def _ratios(row: dict) -> None:
 def _bench_one(n: int, mode: str, args: argparse.Namespace) -> dict:
   x = _inputs(n, args.batch, args.heads, args.kd, args.vd)
   rules = {
-      "chunked": lambda *a: chunk_gated_delta_rule(*a, chunk_size=args.chunk),
+      "chunked": lambda *a: chunk_gated_delta_rule(*a, chunk_size=args.chunk,
+                                                   chunks_per_step=args.chunks_per_step),
       "recurrent": recurrent_gated_delta_rule,
   }
   before = chunked_before(args.before_rev) if args.before_rev else None
@@ -161,7 +162,8 @@ def _ratio(row: dict, key: str) -> str:
 def _print_table(rows: list[dict], args: argparse.Namespace) -> None:
   load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
   print(f"gated delta rule, f32, backend={jax.default_backend()}, b={args.batch}, h={args.heads}, "
-        f"kd={args.kd}, vd={args.vd}, chunk={args.chunk}, median of {args.reps}, before={args.before_rev}, "
+        f"kd={args.kd}, vd={args.vd}, chunk={args.chunk}, chunks/step={args.chunks_per_step}, "
+        f"median of {args.reps}, before={args.before_rev}, "
         f"load average {load:.1f} on {os.cpu_count()} CPUs")
   print("| mode | N | chunked ms (cpu) | recurrent ms (cpu) | before ms (cpu) | rec/chunked wall | "
         "rec/chunked cpu | before/chunked cpu | chunked MiB | recurrent MiB |")
@@ -185,6 +187,8 @@ def main() -> None:
   p.add_argument("--kd", type=int, default=48, help="q/k head dim (small config: 48)")
   p.add_argument("--vd", type=int, default=48, help="value head dim (small config: 48)")
   p.add_argument("--chunk", type=int, default=32, help="tokens per chunk (small config: 32)")
+  p.add_argument("--chunks_per_step", type=int, default=CHUNKS_PER_STEP,
+                 help="chunks per scan step of the chunked form")
   p.add_argument("--reps", type=int, default=7)
   p.add_argument("--before_rev", default=BEFORE_REV, help="git revision of the 'before' chunked form; "
                  "empty to leave it out")
@@ -203,7 +207,8 @@ def main() -> None:
       "bench": "delta_chunked_vs_recurrent",
       "backend": jax.default_backend(),
       "config": {"batch": args.batch, "heads": args.heads, "kd": args.kd, "vd": args.vd,
-                 "chunk": args.chunk, "dtype": "float32", "before_rev": args.before_rev},
+                 "chunk": args.chunk, "chunks_per_step": args.chunks_per_step, "dtype": "float32",
+                 "before_rev": args.before_rev},
       "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
       "rows": rows,
       "speedup": {f"{r['mode']}@{r['n']}": round(r["speedup"], 3) for r in rows if "speedup" in r},

@@ -23,14 +23,15 @@ Packed sequences: reset[b, t] zeroes the state before token t is applied. The ch
 handles resets inside a chunk exactly with "same segment" masks rather than a -inf (or -1e4)
 log-decay at the reset token, which would wreck the f32 cumulative log-decay of the chunk.
 
-How the chunked form is laid out (issue 16: nothing inside a chunk loops over rows): every
-chunk's intra-chunk work runs at once as batched matmuls over [chunks, batch, heads]; the
+How the chunked form is laid out (issue 16: nothing inside a chunk loops over rows): a
+lax.scan takes a few chunks per step (CHUNKS_PER_STEP) and runs their intra-chunk work as
+batched matmuls over [chunks, batch, heads], then carries the state through them; the
 in-chunk cumulative log-decays are one matmul with a lower-triangular ones matrix (XLA:CPU
 lowers jnp.cumsum to reduce-window chains); (I + A)^-1 is a log-depth halving recursion whose
 8 x 8 leaves use the nilpotent product (I + N)(I + N^2)(I + N^4); the solve
 x = (I + A)^-1 [beta gamma k | beta v] has an analytic VJP, so the backward never
-differentiates the inverse; only the state recurrence is sequential (lax.scan over chunks,
-differentiated by autodiff, which keeps one [k, v] state per chunk).
+differentiates the inverse; only the state recurrence is sequential (the scan, differentiated
+by autodiff through a checkpointed step, which keeps one [k, v] state per step).
 
 All maths runs in float32 whatever the input dtype: the decay is an exponent summed over the
 sequence, the state sums decayed updates over the whole sequence, and the UT inverse and the
@@ -227,41 +228,67 @@ def _chunk_terms(q, k, v, g, beta, reset):
   return w, u0, scores, q_decayed, k_to_end, state_decay
 
 
+# Chunks handled per step of the sequential scan (measured, experiments/bench/
+# delta_chunked_vs_recurrent.py: 4 beat 1, 2, 8 and 16 at 4K and 16K tokens on XLA:CPU).
+CHUNKS_PER_STEP = 4
+
+
+def _group(x, groups: int, width: int, pad: int):
+  """[b, t, ...] -> [groups, b, width, ...]: the time axis padded (zeros / False) and cut."""
+  x = _pad_time(x, pad, False if x.dtype == bool else 0)
+  return jnp.moveaxis(x.reshape((x.shape[0], groups, width) + x.shape[2:]), 1, 0)
+
+
 @jax.named_scope(F32_SCOPE)
-def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, reset=None, chunk_size: int = 64):
+def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, reset=None, chunk_size: int = 64,
+                           chunks_per_step: int = CHUNKS_PER_STEP):
   """Chunkwise-parallel (WY/UT) form for training and prefill.
 
   Same arguments and results as the reference `naive_gated_delta_rule`, plus `chunk_size`
-  (tokens per chunk). Any length works: the tail is padded with beta = 0, g = 0 tokens, which
-  leave the state unchanged, and the padded outputs are sliced off. All chunks' intra-chunk
-  work is batched; only the [k, v] state crosses chunks, in a lax.scan of t / chunk_size steps.
+  (tokens per chunk) and `chunks_per_step`. Any length works: the tail is padded with
+  beta = 0, g = 0 tokens, which leave the state unchanged, and the padded outputs are sliced
+  off.
+
+  One lax.scan step takes `chunks_per_step` chunks: their intra-chunk work (_chunk_terms) as
+  batched matmuls, then the [k, v] state through them in order. Each step's intermediates are
+  a few hundred KiB that stay in cache and are reused, where doing every chunk's intra-chunk
+  work at once wrote ~60 MB of [chunks, ...] intermediates per 4K tokens (and page-faulted
+  them in afresh each call). The backward recomputes a step from its carried-in state
+  (jax.checkpoint on the step) rather than saving its intermediates: it keeps one [k, v]
+  state per step, and was faster than saving them (the same benchmark, 16K tokens).
   """
   check_inputs("chunk_gated_delta_rule", q, k, v, g, beta, initial_state, reset)
-  if not isinstance(chunk_size, int) or chunk_size < 1:
-    raise ValueError(f"chunk_gated_delta_rule: chunk_size={chunk_size!r} must be a positive int.")
+  for name, value in (("chunk_size", chunk_size), ("chunks_per_step", chunks_per_step)):
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+      raise ValueError(f"chunk_gated_delta_rule: {name}={value!r} must be a positive int.")
   dt = jnp.float32
   b, t, h, kd = q.shape
   vd = v.shape[-1]
   c = chunk_size
-  n = max(1, math.ceil(t / c))
-  pad = n * c - t
-  q, k, v, g, beta = (_to_chunks(_pad_time(x.astype(dt), pad), n, c) for x in (q, k, v, g, beta))
+  per_step = min(chunks_per_step, max(1, math.ceil(t / c)))
+  steps = max(1, math.ceil(t / (c * per_step)))
+  width = per_step * c
+  xs = tuple(_group(x.astype(dt), steps, width, steps * width - t) for x in (q, k, v, g, beta))
   if reset is not None:
-    reset = _to_chunks(_pad_time(reset, pad, False), n, c)
-  w, u0, scores, q_decayed, k_to_end, state_decay = _chunk_terms(q, k, v, g, beta, reset)
+    xs = xs + (_group(reset, steps, width, steps * width - t),)
 
   # The state stays f32 whatever the compute dtype: it sums decayed rank-c updates over the
   # whole sequence, and each chunk reads it back through w (the UT transform's inverse).
   @jax.named_scope(F32_SCOPE)  # a scan body starts a fresh name stack
   def step(s, inp):
-    w_n, u0_n, k_end_n, decay_n = inp
-    u = u0_n - einsum("bhck,bhkv->bhcv", w_n, s, dt)
-    s_next = decay_n[..., None, None] * s + einsum("bhck,bhcv->bhkv", k_end_n, u, dt)
-    return s_next, (s, u)
+    chunks = tuple(_to_chunks(x, per_step, c) for x in inp)  # [per_step, b, h, c, ...]
+    w, u0, scores, q_decayed, k_to_end, state_decay = _chunk_terms(
+        *chunks[:5], chunks[5] if reset is not None else None)
+    outs = []
+    for j in range(per_step):
+      u = u0[j] - einsum("bhck,bhkv->bhcv", w[j], s, dt)
+      outs.append(einsum("bhtk,bhkv->bhtv", q_decayed[j], s, dt)
+                  + einsum("bhts,bhsv->bhtv", scores[j], u, dt))
+      s = state_decay[j][..., None, None] * s + einsum("bhck,bhcv->bhkv", k_to_end[j], u, dt)
+    o = jnp.stack(outs, axis=1)  # [b, per_step, h, c, vd]
+    return s, jnp.swapaxes(o, 2, 3).reshape(b, width, h, vd)
 
   s0 = initial_state_or_zeros(initial_state, b, h, kd, vd, dt)
-  final, (starts, u) = jax.lax.scan(step, s0, (w, u0, k_to_end, state_decay))
-  o = (einsum("nbhtk,nbhkv->nbhtv", q_decayed, starts, dt)
-       + einsum("nbhts,nbhsv->nbhtv", scores, u, dt))  # [n, b, h, c, vd]
-  o = jnp.moveaxis(o, 0, 2).reshape(b, h, n * c, vd)[:, :, :t]
-  return jnp.swapaxes(o, 1, 2).astype(v.dtype), final
+  final, o = jax.lax.scan(jax.checkpoint(step, prevent_cse=False), s0, xs)
+  o = jnp.moveaxis(o, 0, 1).reshape(b, steps * width, h, vd)[:, :t]
+  return o.astype(v.dtype), final
