@@ -2,9 +2,11 @@
 
 All forms compute the same function (tests/test_delta.py); this measures how their time grows
 with sequence length. The recurrent form is t sequential rank-1 state updates; the chunked form
-does all chunks' intra-chunk work as batched matmuls and t/C sequential state steps. The
-`before` column is the chunked form as it stood at --before_rev (row-by-row substitution loop,
-autodiff through the inverse), read from git so the old code is not kept alive in the library.
+scans t / (C * chunks_per_step) steps, each doing its chunks' intra-chunk work as batched
+matmuls and then carrying the state through them (t / C state updates in all). The `before`
+column is the chunked form as it stood at --before_rev (default: row-by-row substitution loop,
+autodiff through the inverse; --before_rev=d14f964: every chunk's intra-chunk work at once),
+read from git so the old code is not kept alive in the library.
 
 Run (heavy runs share the machine, so take the lock):
 
