@@ -228,8 +228,9 @@ def _chunk_terms(q, k, v, g, beta, reset):
   return w, u0, scores, q_decayed, k_to_end, state_decay
 
 
-# Chunks handled per step of the sequential scan (measured, experiments/bench/
-# delta_chunked_vs_recurrent.py: 4 beat 1, 2, 8 and 16 at 4K and 16K tokens on XLA:CPU).
+# Chunks handled per step of the sequential scan. Measured with experiments/bench/
+# delta_chunked_vs_recurrent.py on XLA:CPU: 4 was the fastest of 1, 2, 4, 8 and 16 for
+# forward + backward at 16K tokens; at 4K forward they were within noise of each other.
 CHUNKS_PER_STEP = 4
 
 
@@ -250,12 +251,13 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, reset=None, chu
   off.
 
   One lax.scan step takes `chunks_per_step` chunks: their intra-chunk work (_chunk_terms) as
-  batched matmuls, then the [k, v] state through them in order. Each step's intermediates are
-  a few hundred KiB that stay in cache and are reused, where doing every chunk's intra-chunk
-  work at once wrote ~60 MB of [chunks, ...] intermediates per 4K tokens (and page-faulted
-  them in afresh each call). The backward recomputes a step from its carried-in state
-  (jax.checkpoint on the step) rather than saving its intermediates: it keeps one [k, v]
-  state per step, and was faster than saving them (the same benchmark, 16K tokens).
+  batched matmuls, then the [k, v] state through them in order. A step's intermediates are
+  sized by chunks_per_step, not by the sequence, and are reused from step to step, where
+  doing every chunk's intra-chunk work at once streamed ~60 MB of [chunks, ...]
+  intermediates through memory per 4K tokens (small config's heads, batch 1). The backward
+  recomputes a step from its carried-in state (jax.checkpoint on the step) rather than saving
+  its intermediates: it keeps one [k, v] state per step, and was faster than saving them
+  (the same benchmark, 16K tokens).
   """
   check_inputs("chunk_gated_delta_rule", q, k, v, g, beta, initial_state, reset)
   for name, value in (("chunk_size", chunk_size), ("chunks_per_step", chunks_per_step)):
