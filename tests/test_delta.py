@@ -105,11 +105,13 @@ def test_gradients_match_reference(t, chunk):
     assert_close(c, r, what=f"chunk d{name}")
 
 
-@pytest.mark.parametrize("per_step", [1, 3, 7])
+@pytest.mark.parametrize("per_step", [1, 3, 7, 16])
 def test_chunks_per_step(per_step):
   """Any number of chunks per scan step (the last step part padding, or more chunks per step
   than the sequence has) gives the reference's outputs, state and gradients."""
-  t, chunk = 37, 4  # 10 chunks: 10 steps of 1, 4 of 3 (2 padded chunks), 1 of 7 with 7 > 10 / 2
+  # 10 chunks (the last one part padding): 10 steps of 1; 4 steps of 3 (2 padded chunks);
+  # 2 steps of 7 (4 padded chunks); 16 > 10, so one step of all 10.
+  t, chunk = 37, 4
   q, k, v, g, beta, s0, reset = rule_inputs(3 + per_step, t)
   f = _functional(2, t)
   rule = functools.partial(chunk_gated_delta_rule, chunk_size=chunk, chunks_per_step=per_step)
