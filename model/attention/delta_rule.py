@@ -270,9 +270,10 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, reset=None, chu
   per_step = min(chunks_per_step, max(1, math.ceil(t / c)))
   steps = max(1, math.ceil(t / (c * per_step)))
   width = per_step * c
-  xs = tuple(_group(x.astype(dt), steps, width, steps * width - t) for x in (q, k, v, g, beta))
+  pad = steps * width - t
+  xs = tuple(_group(x.astype(dt), steps, width, pad) for x in (q, k, v, g, beta))
   if reset is not None:
-    xs = xs + (_group(reset, steps, width, steps * width - t),)
+    xs = xs + (_group(reset, steps, width, pad),)
 
   # The state stays f32 whatever the compute dtype: it sums decayed rank-c updates over the
   # whole sequence, and each chunk reads it back through w (the UT transform's inverse).
