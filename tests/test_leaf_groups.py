@@ -176,3 +176,65 @@ def test_apply_if_finite_is_optax_apply_if_finite():
     u_theirs, s_theirs = theirs.update(g, s_theirs, params)
     jax.tree.map(np.testing.assert_array_equal, (u_ours, s_ours), (u_theirs, s_theirs))
   assert int(s_ours.total_notfinite) == 4 and int(s_ours.notfinite_count) == 0
+
+
+@pytest.mark.parametrize("max_elements", [None, 12])
+def test_grouped_apply_is_apply_updates_of_the_grouped_optimizer(max_elements):
+  """grouped_apply's new params and state equal optax.apply_updates of
+  grouped(apply_if_finite(inner)).update, bit for bit, step by step: finite steps, skipped
+  non-finite ones, and the give-up after max_consecutive_errors (NaN reaches the weights)."""
+  inner = _adamw(lg.grouped_mask(ts.decay_mask))
+  tx = lg.grouped(lg.apply_if_finite(inner, 2), max_elements)
+  params = _tree(0)
+  p_ours, s_ours = params, tx.init(params)
+  p_theirs, s_theirs = params, tx.init(params)
+  step = jax.jit(lambda g, s, p: lg.grouped_apply(inner, g, s, p, max_elements, 2))
+  for i, bad in enumerate((False, True, False, True, True, True, False)):
+    g = _tree(i + 1)
+    if bad:
+      g["blocks"][2]["w"] = g["blocks"][2]["w"].at[1, 1].set(jnp.nan)
+    p_ours, s_ours = step(g, s_ours, p_ours)
+    u, s_theirs = jax.jit(tx.update)(g, s_theirs, p_theirs)
+    p_theirs = optax.apply_updates(p_theirs, u)
+    assert jax.tree.structure((p_ours, s_ours)) == jax.tree.structure((p_theirs, s_theirs))
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path((p_ours, s_ours)),
+                            jax.tree.leaves((p_theirs, s_theirs)), strict=True):
+      np.testing.assert_array_equal(a, b, err_msg=f"step {i}: {jax.tree_util.keystr(path)}")
+  assert int(s_ours.total_notfinite) == 4 and not bool(jnp.isfinite(p_ours["blocks"][2]["w"]).all())
+
+
+def test_apply_update_is_the_optimizers_update():
+  """train_step.apply_update leaves the weights, moments and step count of nnx's
+  `optimizer.update(model, grads)` bit for bit (tiny, 6 layers, two updates on the same gradients),
+  and the weights did move."""
+  c = horizon.get_config("tiny")
+  tc = ts.TrainConfig.from_config(c.train)
+  assert tc.group_max_elements > 0
+  cfg = ModelConfig.from_config(c.model).replace(num_layers=6)
+  rows = {k: jnp.asarray(v) for k, v in byte_corpus.lm_rows(
+      byte_corpus.load_stdlib_bytes(), 0, 0, np.arange(2), 16).items()}
+  before = Horizon(cfg, rngs=nnx.Rngs(0))
+  grads = nnx.grad(lambda m: ts.loss_fn(m, rows, tc)[0])(before)
+  results = []
+  for ours in (True, False):
+    model = Horizon(cfg, rngs=nnx.Rngs(0))
+    opt = ts.make_train_state(model, tc)
+
+    @nnx.jit
+    def two_updates(m, o, g, ours=ours):
+      for _ in range(2):  # the second update sees non-zero moments
+        ts.apply_update(m, o, g, tc) if ours else o.update(m, g)
+
+    two_updates(model, opt, grads)
+    results.append((nnx.state(model), nnx.state(opt)))
+  (m_ours, o_ours), (m_nnx, o_nnx) = results
+  assert int(o_ours["step"][...]) == 2
+  assert jax.tree.structure((m_ours, o_ours)) == jax.tree.structure((m_nnx, o_nnx))
+  moved = 0
+  for (path, a), b, b0 in zip(jax.tree_util.tree_leaves_with_path(m_ours), jax.tree.leaves(m_nnx),
+                              jax.tree.leaves(nnx.state(before)), strict=True):
+    np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
+    moved += not np.array_equal(a, b0)
+  assert moved > 100
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(o_ours), jax.tree.leaves(o_nnx), strict=True):
+    np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))

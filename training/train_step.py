@@ -33,7 +33,8 @@ gradient of the whole batch's loss.
 
 Non-finite loss or gradients never reach the weights: the update is wrapped in
 `leaf_groups.apply_if_finite` (optax.apply_if_finite's rule and state with a
-fused check; state and weights unchanged, router biases frozen for that step)
+fused check; state and weights unchanged, router biases frozen for that step;
+`apply_update` runs it with the parameters' `p + u` inside, group by group)
 and the step reports `finite` plus per-tensor finiteness, so the launcher stops
 with the step and the first non-finite tensor's name (`nan_policy = 'stop'`) or
 logs and continues (`'skip'`).
@@ -131,11 +132,36 @@ def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
   """
   n = tc.group_max_elements
   group = (lambda tx: leaf_groups.grouped(tx, n)) if n else (lambda tx: tx)
-  mask = leaf_groups.grouped_mask(decay_mask) if n else decay_mask
-  return group(leaf_groups.apply_if_finite(optax.chain(
+  return group(leaf_groups.apply_if_finite(_inner_optimizer(tc), max_consecutive_errors=_MAX_SKIPS))
+
+
+_MAX_SKIPS = 1 << 30  # apply_if_finite's max_consecutive_errors: never give up and apply NaNs
+
+
+def _inner_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
+  """Clipping and AdamW, as `make_optimizer` runs them (inside the grouping and the skip)."""
+  mask = leaf_groups.grouped_mask(decay_mask) if tc.group_max_elements else decay_mask
+  return optax.chain(
       optax.clip_by_global_norm(tc.grad_clip),
       optax.adamw(learning_rate_schedule(tc), b1=tc.b1, b2=tc.b2, eps=tc.eps,
-                  weight_decay=tc.weight_decay, mask=mask)), max_consecutive_errors=1 << 30))
+                  weight_decay=tc.weight_decay, mask=mask))
+
+
+def apply_update(model: nnx.Module, optimizer: nnx.Optimizer, grads: Any, tc: TrainConfig) -> None:
+  """`optimizer.update(model, grads)` for an optimizer built by `make_optimizer(tc)`, with leaf
+  groups through `leaf_groups.grouped_apply` (same values and state; ~1,400 fewer kernels to
+  compile at 93 layers); without groups (group_max_elements 0), exactly nnx's update."""
+  if not tc.group_max_elements:
+    optimizer.update(model, grads)
+    return
+  graph = optimizer.graph
+  params = nnx.as_pure(nnx.state(model, optimizer.wrt, graph=graph))
+  new_params, new_state = leaf_groups.grouped_apply(
+      _inner_optimizer(tc), nnx.as_pure(nnx.state(grads, optimizer.wrt, graph=graph)),
+      nnx.as_pure(optimizer.opt_state), params, tc.group_max_elements, _MAX_SKIPS)
+  nnx.update(model, new_params)
+  nnx.update(optimizer.opt_state, nnx.state(new_state, graph=graph))
+  optimizer.step[...] += 1
 
 
 def _is_indexer_param(path, value) -> bool:
@@ -249,7 +275,7 @@ def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: Mapping[str, 
                                                             tc.group_max_elements)
   metrics["finite"] = jnp.isfinite(metrics["loss"]) & jnp.all(metrics["grad_finite"])
   metrics["learning_rate"] = learning_rate_schedule(tc)(_applied_updates(optimizer))
-  optimizer.update(model, grads)  # apply_if_finite: a no-op on non-finite gradients
+  apply_update(model, optimizer, grads, tc)  # apply_if_finite: a no-op on non-finite gradients
   if "load" in metrics:
     moe = list(find_moe_modules(model).values())
     rate = jnp.where(metrics["finite"], tc.router_bias_rate, 0.0)

@@ -18,7 +18,7 @@ from flax import nnx
 from model.moe import find_moe_modules, update_router_biases
 from rl.train import objectives as obj_lib
 from training import leaf_groups
-from training.train_step import TrainConfig, learning_rate_schedule
+from training.train_step import TrainConfig, apply_update, learning_rate_schedule
 
 
 def token_logp(model: nnx.Module, batch: Mapping[str, jax.Array], replay: bool = False
@@ -85,7 +85,7 @@ def apply_grads(model: nnx.Module, optimizer: nnx.Optimizer, grads, load, tc: Tr
   finite = jnp.all(leaf_finite)
   metrics = {"grad_norm": grad_norm, "finite": finite,
              "learning_rate": learning_rate_schedule(tc)(optimizer.step[...])}
-  optimizer.update(model, grads)
+  apply_update(model, optimizer, grads, tc)
   if load is not None:
     moe = list(find_moe_modules(model).values())
     update_router_biases(moe, list(load), jnp.where(finite, tc.router_bias_rate, 0.0))
