@@ -184,7 +184,9 @@ def grouped_apply(inner: optax.GradientTransformation, updates: Any, state: opta
                   ) -> tuple[Any, optax.ApplyIfFiniteState]:
   """(new params, new state): `optax.apply_updates(params, u)` with `u, new state` from
   `grouped(apply_if_finite(inner, max_consecutive_errors), max_elements).update(updates, state,
-  params)`; the same values, the same state layout.
+  params)`; the same arithmetic per element and the same state layout (bit for bit when compiled on
+  its own, tests/test_leaf_groups.py; inside the whole train step XLA fuses it differently, see
+  `train_step.apply_update`).
 
   The difference is for the compiler: here `p + u` is added on the stacked groups inside the
   finite branch, so everything split back into leaves afterwards (parameters, mu, nu) is a plain
