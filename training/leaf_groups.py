@@ -39,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -179,14 +179,30 @@ def grouped(inner: optax.GradientTransformation,
   return optax.GradientTransformation(init, update)
 
 
-def grouped_apply(inner: optax.GradientTransformation, updates: Any, state: optax.ApplyIfFiniteState,
-                  params: Any, max_elements: int | None, max_consecutive_errors: int
+class GroupedSkip(NamedTuple):
+  """`grouped(apply_if_finite(inner, max_consecutive_errors), max_elements)` as an optax
+  transformation (`init`, `update`), which also keeps its parts so that `grouped_apply` can run it
+  with the parameters' update inside (build it with `grouped_apply_if_finite`)."""
+  init: Callable
+  update: Callable
+  inner: optax.GradientTransformation
+  max_elements: int | None
+  max_consecutive_errors: int
+
+
+def grouped_apply_if_finite(inner: optax.GradientTransformation, max_elements: int | None,
+                            max_consecutive_errors: int) -> GroupedSkip:
+  """`grouped(apply_if_finite(inner, max_consecutive_errors), max_elements)`, as a GroupedSkip."""
+  tx = grouped(apply_if_finite(inner, max_consecutive_errors), max_elements)
+  return GroupedSkip(tx.init, tx.update, inner, max_elements, max_consecutive_errors)
+
+
+def grouped_apply(tx: GroupedSkip, updates: Any, state: optax.ApplyIfFiniteState, params: Any
                   ) -> tuple[Any, optax.ApplyIfFiniteState]:
   """(new params, new state): `optax.apply_updates(params, u)` with `u, new state` from
-  `grouped(apply_if_finite(inner, max_consecutive_errors), max_elements).update(updates, state,
-  params)`; the same arithmetic per element and the same state layout (bit for bit when compiled on
-  its own, tests/test_leaf_groups.py; inside the whole train step XLA fuses it differently, see
-  `train_step.apply_update`).
+  `tx.update(updates, state, params)`; the same arithmetic per element and the same state layout
+  (bit for bit when compiled on its own, tests/test_leaf_groups.py; inside the whole train step
+  XLA fuses it differently, see `train_step.apply_update`).
 
   The difference is for the compiler: here `p + u` is added on the stacked groups inside the
   finite branch, so everything split back into leaves afterwards (parameters, mu, nu) is a plain
@@ -196,18 +212,18 @@ def grouped_apply(inner: optax.GradientTransformation, updates: Any, state: opta
   as they were (apply_updates would add zeros: the same, but for -0.0 turning into 0.0).
   """
   leaves, treedef = jax.tree.flatten(updates)
-  groups = LeafGroups.of(updates, max_elements)
+  groups = LeafGroups.of(updates, tx.max_elements)
   stacked, p = groups.stack(leaves), groups.stack(jax.tree.leaves(params))
   gdef = jax.tree.structure(stacked)
   inner_state = _convert(state.inner_state, True, groups, treedef, gdef)
 
   def apply():
-    u, new_state = inner.update(stacked, inner_state, p)
+    u, new_state = tx.inner.update(stacked, inner_state, p)
     return {k: (p[k] + u[k]).astype(p[k].dtype) for k in groups.keys}, new_state
 
   ok = jnp.all(jnp.stack([finite(v) for v in stacked.values()] or [jnp.array(True)]))
   bad_count = jnp.where(ok, 0, optax.safe_increment(state.notfinite_count))
-  new_p, new_state = jax.lax.cond(ok | (bad_count > max_consecutive_errors), apply,
+  new_p, new_state = jax.lax.cond(ok | (bad_count > tx.max_consecutive_errors), apply,
                                   lambda: (p, inner_state))
   total = jnp.where(ok, state.total_notfinite, optax.safe_increment(state.total_notfinite))
   return (jax.tree.unflatten(treedef, groups.unstack(new_p)),

@@ -85,7 +85,7 @@ def apply_grads(model: nnx.Module, optimizer: nnx.Optimizer, grads, load, tc: Tr
   finite = jnp.all(leaf_finite)
   metrics = {"grad_norm": grad_norm, "finite": finite,
              "learning_rate": learning_rate_schedule(tc)(optimizer.step[...])}
-  apply_update(model, optimizer, grads, tc)
+  apply_update(model, optimizer, grads)
   if load is not None:
     moe = list(find_moe_modules(model).values())
     update_router_biases(moe, list(load), jnp.where(finite, tc.router_bias_rate, 0.0))
