@@ -222,13 +222,20 @@ def grouped_apply(tx: GroupedSkip, updates: Any, state: optax.ApplyIfFiniteState
     return {k: (p[k] + u[k]).astype(p[k].dtype) for k in groups.keys}, new_state
 
   ok = jnp.all(jnp.stack([finite(v) for v in stacked.values()] or [jnp.array(True)]))
-  bad_count = jnp.where(ok, 0, optax.safe_increment(state.notfinite_count))
-  new_p, new_state = jax.lax.cond(ok | (bad_count > tx.max_consecutive_errors), apply,
-                                  lambda: (p, inner_state))
-  total = jnp.where(ok, state.total_notfinite, optax.safe_increment(state.total_notfinite))
+  new_p, new_state = _skip_unless(ok, apply, lambda: (p, inner_state), state, tx.max_consecutive_errors)
   return (jax.tree.unflatten(treedef, groups.unstack(new_p)),
-          optax.ApplyIfFiniteState(notfinite_count=bad_count, last_finite=ok, total_notfinite=total,
-                                   inner_state=_convert(new_state, False, groups, treedef, gdef)))
+          new_state._replace(inner_state=_convert(new_state.inner_state, False, groups, treedef, gdef)))
+
+
+def _skip_unless(ok: jax.Array, apply: Callable, skip: Callable, state: optax.ApplyIfFiniteState,
+                 max_consecutive_errors: int) -> tuple[Any, optax.ApplyIfFiniteState]:
+  """optax.apply_if_finite's rule: (out, inner state) from `apply()` when ok or after more than
+  max_consecutive_errors bad steps in a row, else from `skip()`; the counts move as optax's do."""
+  bad_count = jnp.where(ok, 0, optax.safe_increment(state.notfinite_count))
+  out, inner_state = jax.lax.cond(ok | (bad_count > max_consecutive_errors), apply, skip)
+  total = jnp.where(ok, state.total_notfinite, optax.safe_increment(state.total_notfinite))
+  return out, optax.ApplyIfFiniteState(notfinite_count=bad_count, last_finite=ok,
+                                       total_notfinite=total, inner_state=inner_state)
 
 
 def apply_if_finite(inner: optax.GradientTransformation,
@@ -243,13 +250,8 @@ def apply_if_finite(inner: optax.GradientTransformation,
 
   def update(updates, state, params=None):
     ok = jnp.all(jnp.stack([finite(u) for u in jax.tree.leaves(updates)] or [jnp.array(True)]))
-    bad_count = jnp.where(ok, 0, optax.safe_increment(state.notfinite_count))
-    new_updates, inner_state = jax.lax.cond(
-        ok | (bad_count > max_consecutive_errors),
-        lambda: inner.update(updates, state.inner_state, params),
-        lambda: (optax.tree.zeros_like(updates), state.inner_state))
-    total = jnp.where(ok, state.total_notfinite, optax.safe_increment(state.total_notfinite))
-    return new_updates, optax.ApplyIfFiniteState(notfinite_count=bad_count, last_finite=ok,
-                                                 total_notfinite=total, inner_state=inner_state)
+    return _skip_unless(ok, lambda: inner.update(updates, state.inner_state, params),
+                        lambda: (optax.tree.zeros_like(updates), state.inner_state), state,
+                        max_consecutive_errors)
 
   return optax.GradientTransformation(init, update)

@@ -123,12 +123,13 @@ def decay_mask(params: Any) -> Any:
   return jax.tree.map(lambda p: p.ndim >= 2, params)
 
 
-def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
+def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation | leaf_groups.GroupedSkip:
   """Global-norm clipping, then AdamW with the warm-up + cosine schedule; skips non-finite updates.
 
   With tc.group_max_elements > 0 it runs on same-role leaves of all layers stacked together
   (training/leaf_groups.py, leaves up to that size), so it compiles once per parameter role, not
-  once per layer; the state is kept per leaf either way (same checkpoints).
+  once per layer; the state is kept per leaf either way (same checkpoints). It is then a
+  `leaf_groups.GroupedSkip` (an optax transformation that keeps its parts for `apply_update`).
   """
   n = tc.group_max_elements
   mask = leaf_groups.grouped_mask(decay_mask) if n else decay_mask
