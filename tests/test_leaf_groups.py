@@ -202,10 +202,13 @@ def test_grouped_apply_is_apply_updates_of_the_grouped_optimizer(max_elements):
   assert int(s_ours.total_notfinite) == 4 and not bool(jnp.isfinite(p_ours["blocks"][2]["w"]).all())
 
 
-def test_apply_update_is_the_optimizers_update():
+def test_apply_update_is_the_optimizers_update(monkeypatch):
   """train_step.apply_update leaves the weights, moments and step count of nnx's
   `optimizer.update(model, grads)` bit for bit (tiny, 6 layers, two updates on the same gradients),
-  and the weights did move."""
+  and the weights did move; under nnx.jit it does take the grouped path (not nnx's fallback)."""
+  traced = []
+  grouped_apply = lg.grouped_apply
+  monkeypatch.setattr(lg, "grouped_apply", lambda *a: traced.append(1) or grouped_apply(*a))
   c = horizon.get_config("tiny")
   tc = ts.TrainConfig.from_config(c.train)
   assert tc.group_max_elements > 0
@@ -227,7 +230,7 @@ def test_apply_update_is_the_optimizers_update():
     two_updates(model, opt, grads)
     results.append((nnx.state(model), nnx.state(opt)))
   (m_ours, o_ours), (m_nnx, o_nnx) = results
-  assert int(o_ours["step"][...]) == 2 and isinstance(opt.tx, lg.GroupedSkip)
+  assert int(o_ours["step"][...]) == 2 and isinstance(opt.tx, lg.GroupedSkip) and len(traced) == 2
   assert jax.tree.structure((m_ours, o_ours)) == jax.tree.structure((m_nnx, o_nnx))
   moved = 0
   for (path, a), b, b0 in zip(jax.tree_util.tree_leaves_with_path(m_ours), jax.tree.leaves(m_nnx),
