@@ -38,6 +38,9 @@ def test_peak_flops():
       metrics.resolve_peak_flops(**bad)
   with pytest.raises(ValueError, match="n="):
     metrics.measure_peak_flops(n=0)
+  assert metrics.measure_peak_flops(96, 2, dtype="float32") > 0
+  with pytest.raises(ValueError, match="dtype='float16'"):
+    metrics.measure_peak_flops(96, 2, dtype="float16")
 
 
 # ---------------------------------------------------------------------------

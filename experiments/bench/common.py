@@ -1,9 +1,61 @@
 """Measurement helpers shared by the benchmarks."""
 
+import argparse
+import os
 import statistics
 import time
 
 import jax
+
+from training import metrics
+
+# Instruction-set flags that decide a CPU's bf16 and f32 matmul peaks.
+_PEAK_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+
+
+def parse_cpuinfo(text: str) -> dict:
+  """The first processor's identity in a /proc/cpuinfo text (x86 field names).
+
+  Returns model name, vendor, family and model (which tell CPU generations apart when the
+  model name is generic, as on cloud VMs: AMD family 25 is Zen 3/4, 26 is Zen 5) and which of
+  the flags that set the matmul peak it has.
+  """
+  fields: dict[str, str] = {}
+  for line in text.splitlines():
+    if not line.strip():
+      if fields:
+        break  # the end of the first processor's block
+      continue
+    key, _, value = line.partition(":")
+    fields.setdefault(key.strip(), value.strip())
+  flags = set(fields.get("flags", "").split())
+  out = {"model_name": fields.get("model name", ""), "vendor": fields.get("vendor_id", ""),
+         "family": fields.get("cpu family", ""), "model": fields.get("model", "")}
+  out["peak_flags"] = [f for f in _PEAK_FLAGS if f in flags]
+  return out
+
+
+def cpu_identity() -> dict:
+  """This machine's CPU (`parse_cpuinfo`) and the cores this process may use; {} off Linux.
+
+  Benchmarks print it beside a measured peak, so numbers from different machines are not
+  compared as if they came from one.
+  """
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+      out = parse_cpuinfo(f.read())
+  except OSError:
+    return {}
+  out["cores"] = len(os.sched_getaffinity(0))
+  return out
+
+
+def describe_cpu(identity: dict) -> str:
+  """One line for a benchmark's header: 'AMD EPYC (AuthenticAMD family 25 model 17), 2 cores, ...'."""
+  if not identity:
+    return "cpu: unknown (no /proc/cpuinfo)"
+  return (f"cpu: {identity['model_name']} ({identity['vendor']} family {identity['family']} model "
+          f"{identity['model']}), {identity['cores']} cores, flags {' '.join(identity['peak_flags']) or '-'}")
 
 
 def compiled_peak_bytes(compiled) -> int:
@@ -32,3 +84,25 @@ def skip_message(peak_bytes: int, limit_bytes: float) -> str | None:
   if peak_bytes > limit_bytes:
     return f"skipped: needs {peak_bytes / 2 ** 30:.1f} GiB"
   return None
+
+
+def best_peak_flops(sizes: list[int], reps: int, dtype: str = "bfloat16") -> tuple[float, int]:
+  """The highest matmul FLOP/s over square sizes (`metrics.measure_peak_flops`) and its size.
+
+  A peak is the best the hardware reaches, and the best size differs between machines (on a
+  2-core AMD EPYC, bf16 n=1024 reached 440 GFLOP/s and n=2048 397).
+  """
+  if not sizes:
+    raise ValueError("best_peak_flops: sizes is empty; give at least one matmul size.")
+  return max((metrics.measure_peak_flops(n, reps, dtype=dtype), n) for n in sizes)
+
+
+def matmul_sizes(text: str) -> list[int]:
+  """argparse type for --peak_n: '1024,2048' -> [1024, 2048]; anything else is a clear error."""
+  try:
+    sizes = [int(x) for x in text.split(",")]
+  except ValueError:
+    sizes = []
+  if not sizes or min(sizes) < 1:
+    raise argparse.ArgumentTypeError(f"{text!r}: give positive matmul sizes, comma-separated (1024,2048)")
+  return sizes

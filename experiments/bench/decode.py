@@ -38,6 +38,7 @@ import numpy as np
 from absl import app, flags
 
 from configs import serve
+from experiments.bench.common import cpu_identity, describe_cpu
 from serving.build import build_engine
 from serving.engine import Engine, Request
 from serving.types import SamplingParams
@@ -137,6 +138,9 @@ def main(argv) -> None:
                      "fraction": rate / roof, "mib_per_step": need["total"] / 2**20})
     finally:
       engine.stop()
+  cpu = cpu_identity() if jax.default_backend() == "cpu" else {}
+  if cpu:
+    print(describe_cpu(cpu))
   print(f"model {config.serving.model_name} (random weights), compute {held.cfg.dtype}, prompt {prompt}, "
         f"{new} new tokens; read bandwidth {bw / 1e9:.1f} GB/s")
   print(f"{'engine':>14} {'batch':>5} {'tok/s':>8} {'roofline':>9} {'of roof':>8} {'MiB/step':>9}")
@@ -147,7 +151,7 @@ def main(argv) -> None:
 
   def ratio(a: str, b: str) -> dict[str, float]:
     return {str(n): round(by[a, n]["tokens_per_s"] / by[b, n]["tokens_per_s"], 2) for n in batches}
-  print(json.dumps({"model": config.serving.model_name, "read_gb_per_s": round(bw / 1e9, 2),
+  print(json.dumps({"model": config.serving.model_name, "cpu": cpu, "read_gb_per_s": round(bw / 1e9, 2),
                     "tokens_per_s": {f"{w}/{b}": round(r["tokens_per_s"], 1) for (w, b), r in by.items()},
                     "roofline_fraction": {f"{w}/{b}": round(r["fraction"], 4) for (w, b), r in by.items()},
                     "compute_dtype_over_stored": ratio("compute dtype", "stored f32"),

@@ -6,7 +6,9 @@ Run (under the heavy-job lock on shared machines):
     python -m experiments.bench.train_step --quick
 
 In one process: the peak FLOP/s of the default device is measured with a
-bf16 x bf16 -> f32 matmul (`training.metrics.measure_peak_flops`), then the
+bf16 x bf16 -> f32 matmul (`training.metrics.measure_peak_flops`, the best over --peak_n sizes
+and 10 runs each; an f32 one beside it, and on CPU the processor's identity, so a peak can be
+checked against the hardware), then the
 `small` config's train step (`training.train_step.train_step`, jitted as `jit_train_step` is,
 TrainConfig from the config's `train` section; batch global_batch x seq_len of
 the config, smaller with --quick or --batch/--seq_len) runs on one device with
@@ -36,7 +38,7 @@ import numpy as np
 from flax import nnx
 
 from configs import horizon
-from experiments.bench.common import compiled_peak_bytes
+from experiments.bench import common
 from model import flops
 from model.config import ModelConfig
 from model.decoder import Horizon
@@ -72,7 +74,7 @@ def _time_step(cfg: ModelConfig, tc: TrainConfig, batch, reps: int, max_bytes: f
   # A fresh jit per case: the backward mode is fixed at trace time, not in jit's cache key.
   jit_train_step = nnx.jit(train_step, static_argnames=("tc",), donate_argnums=(0, 1))
   t0 = time.perf_counter()
-  nbytes = compiled_peak_bytes(jit_train_step.lower(model, optimizer, batch, tc).compile())
+  nbytes = common.compiled_peak_bytes(jit_train_step.lower(model, optimizer, batch, tc).compile())
   compile_s = time.perf_counter() - t0
   if nbytes > max_bytes:
     return {"seconds": None, "bytes": nbytes, "compile_s": compile_s}
@@ -96,15 +98,23 @@ def run(a: argparse.Namespace) -> dict:
   tc = dataclasses.replace(tc, global_batch=a.batch or (2 if a.quick else tc.global_batch),
                            seq_len=a.seq_len or (128 if a.quick else tc.seq_len))
   b, t = tc.global_batch, tc.seq_len
-  peak_n = 1024 if a.quick else a.peak_n
-  peak = metrics.measure_peak_flops(peak_n, a.reps)
+  sizes = [1024] if a.quick else a.peak_n
+  peak, peak_n = common.best_peak_flops(sizes, max(a.reps, 10))
+  peak_f32, _ = common.best_peak_flops(sizes, max(a.reps, 10), dtype="float32")
+  cpu = common.cpu_identity() if jax.default_backend() == "cpu" else {}
   print(f"train step: config small, batch {b} x seq {t} = {b * t} tokens, backend "
         f"{jax.default_backend()} ({jax.devices()[0].device_kind}), reps {a.reps}")
-  print(f"peak (bf16 x bf16 -> f32 matmul n={peak_n}, measured here): {peak / 1e9:.1f} GFLOP/s")
+  if cpu:
+    print(common.describe_cpu(cpu))
+  print(f"peak (bf16 x bf16 -> f32 matmul, best of n={sizes} at n={peak_n}, measured here): "
+        f"{peak / 1e9:.1f} GFLOP/s; "
+        f"f32 {peak_f32 / 1e9:.1f} (bf16/f32 {peak / peak_f32:.2f}: ~2 on AVX512-BF16 vector units, "
+        "far more on a matrix unit)")
   print(f"{'case':<15} {'step s':>8} {'compile s':>10} {'tokens/s':>10} {'GFLOP/s':>9} {'MFU':>7} "
         f"{'HFU':>7} {'loss':>7} {'peak MiB':>9}", flush=True)
   batch = _batch(b, t)
-  out: dict = {"peak_flops": peak, "tokens_per_step": b * t}
+  out: dict = {"peak_flops": peak, "peak_flops_f32": peak_f32, "bf16_over_f32_peak": peak / peak_f32,
+               "cpu": cpu, "tokens_per_step": b * t}
   for policy in a.remat.split(","):
     for backward in a.backward.split(","):
       case = policy if backward == "compute" else f"{policy}/plain"
@@ -142,7 +152,8 @@ def main() -> None:
                  help="compute: backward products in the compute dtype (the policy); plain: plain "
                       "autodiff's f32 backward products (the baseline)")
   p.add_argument("--reps", type=int, default=5, help="timed steps (median reported)")
-  p.add_argument("--peak_n", type=int, default=2048, help="matmul size of the peak measurement")
+  p.add_argument("--peak_n", type=common.matmul_sizes, default=[1024, 2048],
+                 help="comma-separated matmul sizes of the peak measurement (the best is the peak)")
   p.add_argument("--max_gib", type=float, default=16.0, help="skip cases planned above this")
   a = p.parse_args()
   for policy in a.remat.split(","):

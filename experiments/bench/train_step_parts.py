@@ -3,10 +3,11 @@
     python -m experiments.bench.train_step_parts            # small, 8 x 256 tokens
     python -m experiments.bench.train_step_parts --quick    # tiny, 2 x 64 (seconds)
 
-In one process: the bf16 peak (`training.metrics.measure_peak_flops`); the whole train step
-(`training.train_step.train_step` jitted as the trainer does, remat none, backward products in the
-compute dtype) and the same step with a plain SGD update (behind the same non-finite skip) in place
-of `make_optimizer`'s clipping, AdamW and leaf groups, timed alternately; then each part of the model on the
+In one process: the bf16 peak (`training.metrics.measure_peak_flops`, best over --peak_n sizes);
+the whole train step (`training.train_step.train_step` jitted as the trainer does, remat none,
+backward products in the compute dtype) and the same step with a plain SGD update (behind the
+same non-finite skip) in place of `make_optimizer`'s clipping, AdamW and leaf groups, timed
+alternately; then each part of the model on the
 step's activations ([b, t, d] in the compute dtype, random), jitted as `jax.grad` of
 sum(output x a random cotangent) + the part's auxiliary losses, with respect to the part's
 parameters and its input -- the work the part adds to the step:
@@ -43,12 +44,12 @@ import optax
 from flax import nnx
 
 from configs import horizon
-from experiments.bench.common import median_seconds
+from experiments.bench.common import best_peak_flops, cpu_identity, describe_cpu, matmul_sizes, median_seconds
 from experiments.bench.train_step import _batch
 from model import flops
 from model.config import ModelConfig
 from model.decoder import Horizon
-from training import leaf_groups, metrics
+from training import leaf_groups
 from training.train_step import TrainConfig, make_optimizer, token_cross_entropy, train_step
 
 # Forward FLOP components of model.flops per part (divided by the layers the part occurs in).
@@ -147,7 +148,7 @@ def run(a: argparse.Namespace) -> dict:
   tc = dataclasses.replace(tc, global_batch=a.batch or (2 if a.quick else tc.global_batch),
                            seq_len=a.seq_len or (64 if a.quick else tc.seq_len))
   b, t = tc.global_batch, tc.seq_len
-  peak = metrics.measure_peak_flops(1024 if a.quick else a.peak_n, a.reps)
+  peak, _ = best_peak_flops([1024] if a.quick else a.peak_n, max(a.reps, 10))
   step, sgd_step = _step_and_sgd_step(cfg, tc, _batch(b, t), a.reps)
   model = Horizon(cfg, rngs=nnx.Rngs(0))
   per_token = flops.flops_per_token(cfg, t)
@@ -163,6 +164,9 @@ def run(a: argparse.Namespace) -> dict:
                "ms": 1e3 * (step - sgd_step), "gflops": None})
   rows.append({"part": "rest (SGD step - parts)", "layers": None, "ms_each": None,
                "ms": 1e3 * sgd_step - sum(r["ms"] for r in rows[:-1]), "gflops": None})
+  cpu = cpu_identity() if jax.default_backend() == "cpu" else {}
+  if cpu:
+    print(describe_cpu(cpu))
   print(f"config {variant}, {b} x {t} tokens, remat none, "
         f"backend {jax.default_backend()}; peak (bf16 x bf16 -> f32 matmul, measured here) "
         f"{peak / 1e9:.1f} GFLOP/s; train step "
@@ -175,7 +179,7 @@ def run(a: argparse.Namespace) -> dict:
     share = 100 * r["ms"] / (1e3 * step)
     layers = r["layers"] or ""
     print(f"{r['part']:<27} {layers:>6} {each:>8} {r['ms']:>8.1f} {share:>6.1f}% {rate:>8} {frac:>8}")
-  return {"step_ms": 1e3 * step, "peak_gflops": peak / 1e9,
+  return {"step_ms": 1e3 * step, "peak_gflops": peak / 1e9, "cpu": cpu,
           "share": {r["part"]: round(r["ms"] / (1e3 * step), 4) for r in rows},
           "gflops": {r["part"]: round(r["gflops"], 1) for r in rows if r["gflops"] is not None}}
 
@@ -188,7 +192,8 @@ def main() -> None:
   p.add_argument("--batch", type=int, default=0, help="sequences per step (0: config / --quick)")
   p.add_argument("--seq_len", type=int, default=0, help="tokens per sequence (0: config / --quick)")
   p.add_argument("--reps", type=int, default=5, help="timed calls per part (median reported)")
-  p.add_argument("--peak_n", type=int, default=2048, help="matmul size of the peak measurement")
+  p.add_argument("--peak_n", type=matmul_sizes, default=[1024, 2048],
+                 help="comma-separated matmul sizes of the peak measurement (the best is the peak)")
   print(json.dumps(run(p.parse_args())), flush=True)
 
 
