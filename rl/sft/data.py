@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -51,7 +52,13 @@ def parse_tier_mix(text: str, field: str = "tiers") -> dict[str, float]:
     name, sep, w = part.partition("=")
     if name not in ("low", "high", "max", "off"):
       raise ValueError(f"{field}: unknown tier {name!r}; tiers: low, high, max, off.")
-    out[name] = float(w) if sep else 1.0
+    try:
+      out[name] = float(w) if sep else 1.0
+    except ValueError:
+      raise ValueError(f"{field}: weight {w!r} of tier {name!r} is not a number "
+                       "(e.g. 'low=1,high=2').") from None
+    if not math.isfinite(out[name]) or out[name] < 0:
+      raise ValueError(f"{field}: weight of tier {name!r} is {w}; weights must be finite and >= 0.")
   if not out or sum(out.values()) <= 0:
     raise ValueError(f"{field}={text!r}: give at least one tier a positive weight.")
   return out

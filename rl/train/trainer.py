@@ -73,12 +73,50 @@ def objective_from_config(rl) -> obj_lib.Objective:
   return obj_lib.objective(rl.algorithm, **{k: rl.get(k) for k in _KNOBS if rl.get(k) is not None})
 
 
+# config.rl's run knobs: (name, lowest allowed value, why), checked before anything is built.
+_RUN_KNOBS = (
+    ("steps", 0, "the number of RL steps"),
+    ("prompts_per_step", 1, "a step draws at least one prompt"),
+    ("samples_per_prompt", 2, "the group size: group-relative advantages need two samples to compare"),
+    ("max_refills", 0, "extra rounds of prompts under dynamic sampling"),
+    ("updates_per_step", 1, "passes over each step's batch"),
+    ("micro_batch", 1, "rows per gradient micro-batch"),
+    ("pad_multiple", 1, "rows are padded to a multiple of it"),
+    ("trajectories_per_step", 0, "whole episodes written per step"),
+    ("eval_every", 0, "0 turns held-out evaluation off"),
+    ("eval_n", 1, "held-out tasks per domain"),
+)
+
+
+def check_run_knobs(rl) -> None:
+  """A clear error naming the field for a run knob out of range, before any model is built.
+
+  (A run with prompts_per_step=0 used to play and train on nothing for every step and save
+  checkpoints of it.)
+  """
+  for name, low, why in _RUN_KNOBS:
+    value = rl.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+      raise ValueError(f"config.rl.{name}={value!r}: must be an int >= {low} ({why}).")
+  for name in ("temperature", "budget_penalty", "adaptive_floor"):
+    value = rl.get(name)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not np.isfinite(value) or value < 0:
+      raise ValueError(f"config.rl.{name}={value!r}: must be a finite number >= 0.")
+  if rl.temperature == 0:
+    raise ValueError("config.rl.temperature=0: greedy samples of a prompt are all the same episode, so "
+                     "every group ties and gives no gradient; sample at a temperature > 0 (1.0 is usual).")
+  if rl.adaptive and rl.adaptive_floor <= 0:
+    raise ValueError(f"config.rl.adaptive_floor={rl.adaptive_floor!r}: must be > 0 with adaptive=True "
+                     "(the floor keeps every domain drawn while none has shown progress).")
+
+
 class RLRun:
   """One RL launch: policy + optimizer + engine + environments + task sampler + checkpointer."""
 
   def __init__(self, config, workdir: str, devices: Sequence[jax.Device] | None = None):
     """devices: the mesh's devices (default all; config.mesh sizes them as in pretraining)."""
     self.config, self.workdir, self.rl = config, workdir, config.rl
+    check_run_knobs(config.rl)
     self.cfg = model_config(config)
     self.tc = dataclasses.replace(TrainConfig.from_config(config.train), steps=int(config.rl.steps))
     self.obj = objective_from_config(config.rl)

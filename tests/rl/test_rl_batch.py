@@ -1,6 +1,7 @@
 """rl/train: episodes -> batch arrays, reward shaping, groups; the task mixture and its state."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -176,3 +177,36 @@ def test_config_knobs_reach_the_objective_and_bad_values_name_the_field():
   assert dr.obj.aggregation == "constant" and dr.obj.norm_tokens == 48 * 8  # tokens per turn x turns
   with pytest.raises(ValueError, match="unknown algorithm 'ppo'"):
     rl_config.get_config("ppo")
+
+
+def test_run_knobs_out_of_range_name_the_field_before_anything_is_built():
+  from configs import rl as rl_config
+  from rl.sft.data import parse_tier_mix
+  from rl.train.trainer import RLRun, check_run_knobs
+  check_run_knobs(rl_config.get_config("grpo").rl)  # every preset's defaults pass
+  check_run_knobs(rl_config.get_config("grpo,tiny").rl)
+  for field, value, message in (
+      ("prompts_per_step", 0, "prompts_per_step=0: must be an int >= 1"),
+      ("samples_per_prompt", 1, "samples_per_prompt=1: must be an int >= 2 (the group size"),
+      ("updates_per_step", 0, "updates_per_step=0: must be an int >= 1"),
+      ("steps", -1, "steps=-1: must be an int >= 0"),
+      ("micro_batch", 0, "micro_batch=0: must be an int >= 1"),
+      ("eval_n", 0, "eval_n=0: must be an int >= 1"),
+      ("max_refills", -2, "max_refills=-2: must be an int >= 0"),
+      ("budget_penalty", -0.5, "budget_penalty=-0.5: must be a finite number >= 0"),
+      ("temperature", float("nan"), "temperature=nan: must be a finite number >= 0"),
+      ("temperature", 0.0, "temperature=0: greedy samples of a prompt are all the same episode"),
+  ):
+    config = rl_config.get_config("grpo,tiny")
+    config.rl[field] = value
+    with pytest.raises(ValueError, match=re.escape(f"config.rl.{message}")):
+      RLRun(config, "/tmp/unused")
+  config = rl_config.get_config("grpo,tiny")
+  config.rl.update(adaptive=True, adaptive_floor=0.0)
+  with pytest.raises(ValueError, match=r"adaptive_floor=0.0: must be > 0 with adaptive=True"):
+    RLRun(config, "/tmp/unused")
+  for text, message in (("low=x", "weight 'x' of tier 'low' is not a number"),
+                        ("low=-1,high=2", "weight of tier 'low' is -1; weights must be finite and >= 0"),
+                        ("high=inf", "weight of tier 'high' is inf")):
+    with pytest.raises(ValueError, match=re.escape(f"config.rl.tiers: {message}")):
+      parse_tier_mix(text, "config.rl.tiers")
