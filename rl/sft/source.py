@@ -101,8 +101,12 @@ class SFTBatches:
     self.counts: dict[str, int] = {}
     budgets = dict(config.serving.thinking_budgets)
     tiers = sft.parse_tier_mix(s.tiers, "config.sft.tiers") if s.tiers else None
-    for domain in [d for d in s.domains.split(",") if d.strip()]:
-      domain = domain.strip()
+    domains = [d.strip() for d in s.domains.split(",") if d.strip()]
+    for domain in domains:  # all checked before any is played
+      if domain not in generators.DOMAINS:
+        raise ValueError(f"config.sft.domains: unknown domain {domain!r}; domains: "
+                         f"{', '.join(generators.DOMAINS)} (comma-separated).")
+    for domain in domains:
       for level in _levels(s.difficulties, generators.max_difficulty(domain)):
         tasks = generators.generate(domain, split="train", difficulty=level, n=int(s.tasks_per_level),
                                     seed=int(s.task_seed))

@@ -200,3 +200,13 @@ def test_oracles_think_as_deep_as_the_drawn_tier(renderer):
   assert [m[-1].thinking for m, _, _, _ in default] == [t.oracle[0]["thinking"] for t in tasks[:4]]
   with pytest.raises(ValueError, match="config.sft.tiers: unknown tier 'medium'"):
     sft.parse_tier_mix("medium", "config.sft.tiers")
+
+
+def test_sft_domains_are_checked_before_any_is_played():
+  from configs import sft as sft_config
+  from rl.sft.source import SFTBatches
+  config = sft_config.get_config("tiny")
+  config.sft.domains = "math,bogus"
+  # Nothing else is needed: the check runs before the first domain's oracles would play.
+  with pytest.raises(ValueError, match=r"config.sft.domains: unknown domain 'bogus'; domains: math, "):
+    SFTBatches(config, mesh=None, tc=None, tokenizer=None, renderer=None, ctx=None, loop=None)
