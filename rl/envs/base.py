@@ -53,6 +53,32 @@ class ToolError(Exception):
   """Raised inside a tool for a bad call: its message becomes the (error) tool result."""
 
 
+# config.env's numeric knobs: (name, lowest allowed value, why). nsjail reads 0 as "no limit"
+# for memory and pids, so 0 there would silently run commands unconfined.
+_ENV_MINIMUMS = (
+    ("workers", 1, "environment worker threads"),
+    ("memory_mb", 1, "the cgroup memory limit of one command; nsjail reads 0 as no limit"),
+    ("max_pids", 1, "the cgroup pids limit of one command; nsjail reads 0 as no limit"),
+    ("output_limit_bytes", 1, "stdout + stderr kept from one command"),
+    ("max_turns", 1, "assistant messages per episode"),
+    ("max_tokens_per_turn", 1, "generated tokens per assistant message"),
+)
+
+
+def check_env_config(env) -> None:
+  """A clear error naming the field for a bad config.env knob, before any episode is played."""
+  for name, low, why in _ENV_MINIMUMS:
+    value = env.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+      raise ValueError(f"config.env.{name}={value!r}: must be an int >= {low} ({why}).")
+  timeout = env.get("command_timeout_s")
+  if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout < float("inf"):
+    raise ValueError(f"config.env.command_timeout_s={timeout!r}: must be a finite number of seconds > 0 "
+                     "(the wall-time limit of one tool call).")
+  if env.get("executor") not in ("thread", "ray"):
+    raise ValueError(f"config.env.executor={env.get('executor')!r}: choose 'thread' or 'ray'.")
+
+
 @dataclasses.dataclass
 class EnvContext:
   """What environments share: where task directories live and how commands are sandboxed.
@@ -82,7 +108,8 @@ class EnvContext:
 
   @classmethod
   def from_config(cls, env) -> "EnvContext":
-    """From a config's `env` section (configs/sft.py)."""
+    """From a config's `env` section (configs/sft.py), every knob checked (`check_env_config`)."""
+    check_env_config(env)
     return cls(root=env.root or None, allow_unsafe_sandbox=bool(env.allow_unsafe_sandbox),
                command_timeout_s=float(env.command_timeout_s), memory_mb=int(env.memory_mb),
                max_pids=int(env.max_pids), output_limit_bytes=int(env.output_limit_bytes))

@@ -106,6 +106,13 @@ class Sandbox:
   def __init__(self, *, memory_mb: int = 512, max_pids: int = 64, output_limit_bytes: int = 64 * 1024,
                timeout_s: float = 20.0, tmp_mb: int = 64, file_size_mb: int = 64,
                allow_unsafe: bool = False, nsjail: str | None = None):
+    # nsjail reads a limit of 0 as "no limit": a 0 here would run commands unconfined, silently.
+    for name, value in (("memory_mb", memory_mb), ("max_pids", max_pids), ("tmp_mb", tmp_mb),
+                        ("output_limit_bytes", output_limit_bytes), ("file_size_mb", file_size_mb)):
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"Sandbox: {name}={value!r} must be an int >= 1 (nsjail reads 0 as no limit).")
+    if not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < float("inf"):
+      raise ValueError(f"Sandbox: timeout_s={timeout_s!r} must be a finite number of seconds > 0.")
     self.memory_mb, self.max_pids = memory_mb, max_pids
     self.output_limit_bytes, self.timeout_s = output_limit_bytes, timeout_s
     self.tmp_mb, self.file_size_mb = tmp_mb, file_size_mb

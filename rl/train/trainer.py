@@ -47,7 +47,7 @@ from rl.agent.episode import Episode
 from rl.agent.executor import TimedExecutor, make_executor
 from rl.agent.loop import LoopConfig, run_episodes
 from rl.agent.policy import EnginePolicy, Sampling
-from rl.envs.base import EnvContext
+from rl.envs.base import EnvContext, check_env_config
 from rl.sft.data import parse_tier_mix
 from rl.train import batch as batch_lib
 from rl.train import multiprocess as mp
@@ -117,6 +117,7 @@ class RLRun:
     """devices: the mesh's devices (default all; config.mesh sizes them as in pretraining)."""
     self.config, self.workdir, self.rl = config, workdir, config.rl
     check_run_knobs(config.rl)
+    check_env_config(config.env)
     self.cfg = model_config(config)
     self.tc = dataclasses.replace(TrainConfig.from_config(config.train), steps=int(config.rl.steps))
     self.obj = objective_from_config(config.rl)

@@ -2,6 +2,7 @@
 sandbox still runs the next command."""
 
 import os
+import re
 import resource
 import socket
 import threading
@@ -166,3 +167,29 @@ def test_missing_nsjail_is_reported_and_unsafe_is_loud(tmp_path):
   assert big.truncated and len(big.stdout) == 100
   slow = unsafe.run("sleep 5", Path(tmp_path), timeout_s=0.5)
   assert slow.timed_out and slow.wall_s < 3
+
+
+def test_zero_limits_are_refused_not_read_as_unlimited():
+  """nsjail reads a limit of 0 as no limit; the sandbox and config.env refuse it, naming the field."""
+  for kw, name in ((dict(memory_mb=0), "memory_mb=0"), (dict(max_pids=0), "max_pids=0"),
+                   (dict(output_limit_bytes=-1), "output_limit_bytes=-1"), (dict(tmp_mb=0), "tmp_mb=0")):
+    with pytest.raises(ValueError, match=f"Sandbox: {name} must be an int >= 1"):
+      Sandbox(nsjail="/nonexistent/nsjail", allow_unsafe=True, **kw)
+  with pytest.raises(ValueError, match="Sandbox: timeout_s=-1 must be a finite number of seconds > 0"):
+    Sandbox(nsjail="/nonexistent/nsjail", allow_unsafe=True, timeout_s=-1)
+
+  from configs import sft
+  from rl.envs.base import EnvContext
+  for field, value, message in (("memory_mb", 0, "memory_mb=0: must be an int >= 1"),
+                                ("max_pids", 0, "max_pids=0: must be an int >= 1"),
+                                ("workers", 0, "workers=0: must be an int >= 1"),
+                                ("max_tokens_per_turn", 0, "max_tokens_per_turn=0: must be an int >= 1"),
+                                ("max_turns", 0, "max_turns=0: must be an int >= 1"),
+                                ("output_limit_bytes", -1, "output_limit_bytes=-1: must be an int >= 1"),
+                                ("command_timeout_s", -1.0, "command_timeout_s=-1.0: must be a finite"),
+                                ("executor", "process", "executor='process': choose 'thread' or 'ray'")):
+    env = sft.get_config("tiny").env
+    env[field] = value
+    with pytest.raises(ValueError, match=re.escape(f"config.env.{message}")):
+      EnvContext.from_config(env)
+  assert EnvContext.from_config(sft.get_config("tiny").env).memory_mb == 512
