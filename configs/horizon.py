@@ -272,7 +272,7 @@ def _train() -> ml_collections.ConfigDict:
   t.b1 = 0.9
   t.b2 = 0.95
   t.eps = 1e-8
-  t.grad_clip = 1.0  # global-norm clipping
+  t.grad_clip = 1.0  # global-norm clipping; 0 turns it off
   t.z_loss_weight = 1e-3  # router z-loss (ST-MoE)
   t.seq_aux_weight = 1e-4  # sequence-wise balance loss (DeepSeek-V3)
   t.indexer_loss_weight = 1.0  # DSA indexer KL; its gradient reaches only the indexer

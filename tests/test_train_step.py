@@ -1,10 +1,12 @@
 """The train step: accumulation, indexer warm-up, non-finite handling, schedule, decay mask."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -130,3 +132,28 @@ def test_train_config_errors(setup):
   d = dict(horizon.get_config("tiny").train.items(), group_max_elements=-1)
   with pytest.raises(ValueError, match="group_max_elements=-1: must be an int >= 0"):
     ts.TrainConfig.from_config(d)
+  for field, value, rule in (("b2", 1.0, "in [0, 1)"), ("b1", -0.1, "in [0, 1)"), ("eps", 0.0, "> 0"),
+                             ("weight_decay", -1e-4, ">= 0"), ("end_lr_fraction", 1.5, "in [0, 1]"),
+                             ("warmup_steps", -1, "an int >= 0"),
+                             ("grad_clip", -1.0, ">= 0 (0: no clipping)")):
+    with pytest.raises(ValueError, match=re.escape(f"config.train.{field}={value!r}: must be {rule}.")):
+      ts.TrainConfig.from_config(dict(horizon.get_config("tiny").train.items(), **{field: value}))
+
+
+def test_grad_clip_zero_turns_clipping_off():
+  """A clip to norm 0 would zero every update (the run trains nothing); 0 means no clipping."""
+  base = ts.TrainConfig.from_config(dict(horizon.get_config("tiny").train.items(), group_max_elements=0))
+  params = {"w": jnp.ones((3, 4)), "b": jnp.ones((4,))}
+  grads = {"w": jnp.full((3, 4), 50.0), "b": jnp.full((4,), -20.0)}  # global norm ~ 174
+  def first_update(tc):
+    tx = ts.make_optimizer(tc)
+    return tx.update(grads, tx.init(params), params)[0]
+  off = first_update(dataclasses.replace(base, grad_clip=0.0))
+  plain = optax.adamw(ts.learning_rate_schedule(base), b1=base.b1, b2=base.b2, eps=base.eps,
+                      weight_decay=base.weight_decay, mask=ts.decay_mask(params))
+  want = plain.update(grads, plain.init(params), params)[0]
+  for k in params:
+    np.testing.assert_array_equal(np.asarray(off[k]), np.asarray(want[k]))
+    assert float(jnp.max(jnp.abs(off[k]))) > 0, k
+  tiny_clip = first_update(dataclasses.replace(base, grad_clip=1e-9))  # clipping on: a different update
+  assert not np.array_equal(np.asarray(tiny_clip["w"]), np.asarray(off["w"]))

@@ -100,6 +100,14 @@ class TrainConfig:
     if not isinstance(d["group_max_elements"], int) or d["group_max_elements"] < 0:
       raise ValueError(f"config.train.group_max_elements={d['group_max_elements']!r}: must be an int "
                        ">= 0 (0: no leaf groups).")
+    warmup_ok = isinstance(d["warmup_steps"], int) and d["warmup_steps"] >= 0
+    for f, ok, rule in (("warmup_steps", warmup_ok, "an int >= 0"),
+                        ("b1", 0 <= d["b1"] < 1, "in [0, 1)"), ("b2", 0 <= d["b2"] < 1, "in [0, 1)"),
+                        ("eps", d["eps"] > 0, "> 0"), ("weight_decay", d["weight_decay"] >= 0, ">= 0"),
+                        ("end_lr_fraction", 0 <= d["end_lr_fraction"] <= 1, "in [0, 1]"),
+                        ("grad_clip", d["grad_clip"] >= 0, ">= 0 (0: no clipping)")):
+      if not ok:
+        raise ValueError(f"config.train.{f}={d[f]!r}: must be {rule}.")
     if d["nan_policy"] not in ("stop", "skip"):
       raise ValueError(f"config.train.nan_policy={d['nan_policy']!r}: choose 'stop' or 'skip'.")
     return cls(**d)
@@ -134,7 +142,9 @@ def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation | leaf_group
   n = tc.group_max_elements
   mask = leaf_groups.grouped_mask(decay_mask) if n else decay_mask
   inner = optax.chain(
-      optax.clip_by_global_norm(tc.grad_clip),
+      # grad_clip 0 turns clipping off (a clip to norm 0 would zero every update); identity has
+      # the same empty state, so the optimizer state's layout does not depend on it.
+      optax.clip_by_global_norm(tc.grad_clip) if tc.grad_clip > 0 else optax.identity(),
       optax.adamw(learning_rate_schedule(tc), b1=tc.b1, b2=tc.b2, eps=tc.eps,
                   weight_decay=tc.weight_decay, mask=mask))
   if n:
