@@ -82,6 +82,8 @@ class GrainBatches:
   pipeline = "grain"
 
   def __init__(self, config, workdir: str, mesh: jax.sharding.Mesh, tc: TrainConfig):
+    if config.data.packing not in data_lib.PACKINGS:  # before minutes of data preparation
+      raise ValueError(f"config.data.packing={config.data.packing!r}: choose one of {data_lib.PACKINGS}.")
     self.config, self.workdir, self.mesh, self.tc = config, workdir, mesh, tc
     self.tokenizer = tokenizer_for(config)
     self.manifest = prepare_data(config, workdir, self.tokenizer)

@@ -55,6 +55,18 @@ def host_value(v: jax.Array) -> np.ndarray:
   return np.asarray(v if v.is_fully_replicated else multihost_utils.process_allgather(v, tiled=True))
 
 
+def check_loop_config(config) -> None:
+  """config.metrics and config.checkpoint knobs the loop reads, checked before data or model are built."""
+  for section, name in (("metrics", "log_every"), ("checkpoint", "every"), ("checkpoint", "keep")):
+    v = config[section].get(name)
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+      raise ValueError(f"config.{section}.{name}={v!r}: must be a positive int.")
+  peak = config.metrics.get("peak_flops")
+  if not isinstance(peak, (int, float)) or isinstance(peak, bool) or not 0 <= peak < float("inf"):
+    raise ValueError(f"config.metrics.peak_flops={peak!r}: give the peak FLOP/s of one device, or 0 to "
+                     "measure it (CPU) or look it up (known accelerators).")
+
+
 class _Run:
   """State of one launch: model, optimizer, batch source, checkpointer."""
 
@@ -62,6 +74,7 @@ class _Run:
     self.config, self.workdir = config, workdir
     self.cfg = model_config(config)
     self.tc = TrainConfig.from_config(config.train)
+    check_loop_config(config)
     self.mesh = mesh_lib.make_mesh(config.mesh)
     self.data = (make_batches or batches_lib.make_batches)(config, workdir, self.cfg, self.mesh, self.tc)
 
