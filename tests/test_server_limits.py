@@ -12,6 +12,7 @@ hold is ever handed to the tokenizer.
 import base64
 import copy
 import io
+import re
 import threading
 import time
 
@@ -206,3 +207,25 @@ def test_images_are_decoded_off_the_event_loop(limited, monkeypatch):
   assert _image_chat(limited.url, b64).status_code == 200
   assert _image_message(limited.url, b64).status_code == 200
   assert len(threads) == 2 and "horizon-server" not in threads, threads  # the loop's thread
+
+
+def test_bad_limits_stop_the_server_at_start_up_naming_the_field():
+  """default_effort, default_max_tokens and thinking_budgets used to be checked per request only
+  (every request then failed, with a 500 or a 400 that blamed the client)."""
+  from configs import serve
+  from serving.context import Limits
+  for field, value, message in (
+      ("default_effort", "bogus", "config.serving.default_effort='bogus': choose one of"),
+      ("default_max_tokens", 0, "config.serving.default_max_tokens=0: must be a positive int"),
+      ("max_tools", -1, "config.serving.max_tools=-1: must be an int >= 0"),
+  ):
+    config = serve.get_config("tiny")
+    config.serving[field] = value
+    with pytest.raises(ValueError, match=re.escape(message)):
+      Limits.from_config(config.serving)
+  config = serve.get_config("tiny")
+  config.serving.thinking_budgets.low = -5
+  message = "config.serving.thinking_budgets: {'low': -5} must be ints >= 0"
+  with pytest.raises(ValueError, match=re.escape(message)):
+    Limits.from_config(config.serving)
+  assert Limits.from_config(serve.get_config("tiny").serving).default_effort == "none"
