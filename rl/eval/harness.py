@@ -3,7 +3,9 @@
 Results are appended (and flushed) as episodes finish, keyed by (task id, tier, sample), so
 an interrupted run started again with the same `--results` file plays only what is missing.
 The report (rl/eval/report.py) is computed from the file, not from memory, so a resumed run
-reports the whole evaluation.
+reports the whole evaluation. What decides an episode beyond its key (the policy, sampling,
+turn and token limits: the caller's `signature`) is kept beside the file, and a run whose
+signature differs refuses to resume rather than mix its episodes with the old ones.
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ def evaluate(
   progress: bool = True,
   task_tier_wins: bool = False,
   transcripts: bool = True,
+  signature: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
   """Plays what `results` lacks and returns every record for these tasks, tiers and samples.
 
@@ -105,10 +108,13 @@ def evaluate(
       `sampling.seed + i`.
     transcripts: keep each episode's messages in its record (what an evaluator reads first
       when a number surprises them).
+    signature: JSON-able settings that decide an episode besides its key (`check_signature`).
   """
   jobs, keys = _jobs(tasks, tiers, samples, sampling, task_tier_wins)
   wanted = set(keys)
   done = {r["key"] for r in read_results(results) if "key" in r}
+  if signature is not None:
+    check_signature(results, signature, resuming=bool(done))
   todo = [i for i, k in enumerate(keys) if k not in done]
   Path(results).parent.mkdir(parents=True, exist_ok=True)
   bar = _bar(len(keys), len(keys) - len(todo), progress)
@@ -142,6 +148,33 @@ def evaluate(
     if r.get("key") in wanted:
       latest[r["key"]] = r
   return [latest[k] for k in keys if k in latest]
+
+
+def signature_path(results: str | os.PathLike) -> Path:
+  """Where the settings that played a results file are kept: `<results>.signature.json`."""
+  return Path(f"{results}.signature.json")
+
+
+def check_signature(results: str | os.PathLike, signature: dict[str, Any], *, resuming: bool) -> None:
+  """Records `signature` beside `results`; refuses to resume a file played with other settings.
+
+  An evaluation re-run into the same output resumes (plays only missing keys), so episodes
+  played with, say, max_tokens_per_turn=0 would otherwise be reported beside new ones played
+  with 256. A file from before signatures were kept is resumed as it is and then signed.
+  """
+  path = signature_path(results)
+  new = json.loads(json.dumps(signature, sort_keys=True))  # the form it is stored in
+  if resuming and path.exists():
+    old = json.loads(path.read_text(encoding="utf-8"))
+    if old != new:
+      diffs = [f"{k}: {old.get(k)!r} there, {new.get(k)!r} now" for k in sorted(set(old) | set(new))
+               if old.get(k) != new.get(k)]
+      raise ValueError(f"{results} holds episodes played with other settings ({'; '.join(diffs)}); "
+                       "resuming would mix them. Write to a fresh output directory, or delete the "
+                       "results file and its .signature.json to play every episode again.")
+    return
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps(new, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def _end_torn_line(path: str | os.PathLike) -> None:

@@ -63,8 +63,28 @@ def run_evaluation(
   """
   out = Path(out_dir)
   out.mkdir(parents=True, exist_ok=True)
-  engine = None
+  results = out / "results.jsonl"
   budgets = dict(config.serving.thinking_budgets)
+  if temperature is None:
+    temperature = 0.0 if samples == 1 else 1.0
+  sampling = Sampling(
+    temperature=temperature,
+    seed=int(config.env.seed),
+    max_tokens_per_turn=int(config.env.max_tokens_per_turn),
+  )
+  ctx = EnvContext.from_config(config.env)  # checks every config.env knob first
+  loop = LoopConfig.from_config(config.env)
+  # What decides an episode besides its (task, tier, sample) key: a resumed run must match it,
+  # checked before a model is loaded.
+  signature = {
+    "policy": f"{api}:{endpoint}:{model or config.serving.model_name}" if endpoint
+    else f"checkpoint:{checkpoint or 'random-init'}",
+    "sampling": dataclasses.asdict(sampling),
+    "loop": dataclasses.asdict(loop),
+    "thinking_budgets": budgets,
+  }
+  harness.check_signature(results, signature, resuming=any("key" in r for r in harness.read_results(results)))
+  engine = None
   if endpoint:
     count = None
     try:  # thinking-token counts for Anthropic endpoints (their usage has none): our tokenizer
@@ -79,14 +99,6 @@ def run_evaluation(
     )
   else:
     policy, engine = engine_policy(config, checkpoint)
-  if temperature is None:
-    temperature = 0.0 if samples == 1 else 1.0
-  sampling = Sampling(
-    temperature=temperature,
-    seed=int(config.env.seed),
-    max_tokens_per_turn=int(config.env.max_tokens_per_turn),
-  )
-  ctx = EnvContext.from_config(config.env)
   executor = make_executor(config.env.executor, ctx, workers=int(config.env.workers))
   start = time.time()
   try:
@@ -98,8 +110,8 @@ def run_evaluation(
       samples=samples,
       sampling=sampling,
       concurrency=concurrency,
-      results=out / "results.jsonl",
-      config=LoopConfig.from_config(config.env),
+      results=results,
+      config=loop,
       progress=progress,
     )
   finally:
@@ -126,7 +138,7 @@ def run_evaluation(
     "rows": rows,
     "table": table,
     "json": summary,
-    "results": str(out / "results.jsonl"),
+    "results": str(results),
     "plot": str(out / "success_vs_thinking.png"),
     "meta": meta,
   }

@@ -90,3 +90,30 @@ def test_parse_tiers():
   assert harness.parse_tiers("low, max,off") == ["low", "max", None]
   with pytest.raises(ValueError, match="unknown tier 'medium'"):
     harness.parse_tiers("medium")
+
+
+def test_resume_refuses_results_played_with_other_settings(tmp_path):
+  tasks = _tasks(3)
+  results = tmp_path / "res.jsonl"
+  executor = ThreadExecutor(workers=2)
+  signed = {"policy": "checkpoint:/ck", "sampling": {"max_tokens_per_turn": 0, "temperature": 0.0}}
+  run = lambda sig: harness.evaluate(tasks, OraclePolicy(), executor, tiers=["low"], results=results,  # noqa: E731
+                                     progress=False, signature=sig)
+  assert len(run(signed)) == 3
+  assert json.loads(harness.signature_path(results).read_text()) == signed
+  assert len(run(dict(signed))) == 3  # the same settings resume (nothing left to play)
+  other = {"policy": "checkpoint:/ck", "sampling": {"max_tokens_per_turn": 256, "temperature": 0.0}}
+  with pytest.raises(ValueError, match=r"res.jsonl holds episodes played with other settings \(sampling: "
+                     r"\{'max_tokens_per_turn': 0, 'temperature': 0.0\} there, \{'max_tokens_per_turn': 256"):
+    run(other)
+  lines = results.read_text()
+  assert len(lines.splitlines()) == 3 and json.loads(harness.signature_path(results).read_text()) == signed
+  # A results file from before signatures were kept resumes as it is, then is signed.
+  harness.signature_path(results).unlink()
+  assert len(run(other)) == 3 and json.loads(harness.signature_path(results).read_text()) == other
+  # A fresh file is signed by whatever run starts it.
+  fresh = tmp_path / "fresh.jsonl"
+  harness.evaluate(tasks[:1], OraclePolicy(), executor, tiers=["low"], results=fresh, progress=False,
+                   signature=other)
+  assert json.loads(harness.signature_path(fresh).read_text()) == other
+  executor.shutdown()
