@@ -6,8 +6,10 @@
         --tasks=/tmp/heldout.jsonl --tiers=low,high,max --samples=4 --out=/tmp/eval_api
 
 Results go to <out>/results.jsonl, one line per episode, as they finish: run the same command
-again to resume. Prints a markdown table (domain x tier: n, success % with 95% Wilson
-interval, pass@k, reward, thinking tokens, turns, tool errors, latency p50/p95), writes
+again to resume (a run whose policy, sampling or turn/token limits differ from the ones that
+wrote the file is refused: use a fresh --out). Prints a markdown table (domain x tier: n,
+success % with 95% Wilson interval, pass@k, reward, thinking tokens, turns, tool errors,
+latency p50/p95), writes
 <out>/success_vs_thinking.png, and ends with one line of JSON.
 """
 
