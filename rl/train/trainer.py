@@ -62,6 +62,7 @@ from sharding.state import create_sharded_model
 from training import batches as batches_lib
 from training import metrics as metrics_lib
 from training.checkpoint import Checkpointer, restore_params
+from training.loop import check_loop_config
 from training.train_step import TrainConfig, make_train_state
 
 _KNOBS = tuple(f.name for f in dataclasses.fields(obj_lib.Objective))
@@ -118,6 +119,7 @@ class RLRun:
     self.config, self.workdir, self.rl = config, workdir, config.rl
     check_run_knobs(config.rl)
     check_env_config(config.env)
+    check_loop_config(config)  # checkpoint.every / keep, as in pretraining
     self.cfg = model_config(config)
     self.tc = dataclasses.replace(TrainConfig.from_config(config.train), steps=int(config.rl.steps))
     self.obj = objective_from_config(config.rl)

@@ -202,6 +202,10 @@ def test_run_knobs_out_of_range_name_the_field_before_anything_is_built():
     with pytest.raises(ValueError, match=re.escape(f"config.rl.{message}")):
       RLRun(config, "/tmp/unused")
   config = rl_config.get_config("grpo,tiny")
+  config.checkpoint.every = 0  # checked with the run knobs, as pretraining checks it
+  with pytest.raises(ValueError, match=re.escape("config.checkpoint.every=0: must be a positive int")):
+    RLRun(config, "/tmp/unused")
+  config = rl_config.get_config("grpo,tiny")
   config.rl.update(adaptive=True, adaptive_floor=0.0)
   with pytest.raises(ValueError, match=r"adaptive_floor=0.0: must be > 0 with adaptive=True"):
     RLRun(config, "/tmp/unused")
