@@ -10,9 +10,9 @@ from training import loop
 
 
 @pytest.mark.parametrize("section,field,value,message", [
-    ("metrics", "log_every", 0, "config.metrics.log_every=0: must be a positive int"),
-    ("checkpoint", "every", 0, "config.checkpoint.every=0: must be a positive int"),
-    ("checkpoint", "keep", -1, "config.checkpoint.keep=-1: must be a positive int"),
+    ("metrics", "log_every", 0, "config.metrics.log_every=0: must be an int >= 1"),
+    ("checkpoint", "every", 0, "config.checkpoint.every=0: must be an int >= 1"),
+    ("checkpoint", "keep", -1, "config.checkpoint.keep=-1: must be an int >= 1"),
     ("metrics", "peak_flops", -1.0, "config.metrics.peak_flops=-1.0: give the peak FLOP/s of one device"),
 ])
 def test_loop_knobs_fail_before_anything_is_built(tmp_path, section, field, value, message):

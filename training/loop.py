@@ -38,6 +38,7 @@ from sharding.state import create_sharded_model
 from training import batches as batches_lib
 from training import metrics as metrics_lib
 from training.checkpoint import Checkpointer, restore_params
+from training.knobs import check_int_knobs
 from training.train_step import (
   TrainConfig,
   grad_names,
@@ -57,10 +58,8 @@ def host_value(v: jax.Array) -> np.ndarray:
 
 def check_loop_config(config) -> None:
   """config.metrics and config.checkpoint knobs the loop reads, checked before data or model are built."""
-  for section, name in (("metrics", "log_every"), ("checkpoint", "every"), ("checkpoint", "keep")):
-    v = config[section].get(name)
-    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-      raise ValueError(f"config.{section}.{name}={v!r}: must be a positive int.")
+  check_int_knobs("metrics", config.metrics, [("log_every", 1, "")])
+  check_int_knobs("checkpoint", config.checkpoint, [("every", 1, ""), ("keep", 1, "")])
   peak = config.metrics.get("peak_flops")
   if not isinstance(peak, (int, float)) or isinstance(peak, bool) or not 0 <= peak < float("inf"):
     raise ValueError(f"config.metrics.peak_flops={peak!r}: give the peak FLOP/s of one device, or 0 to "

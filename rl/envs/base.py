@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 from rl.tasks.schema import Task
 from serving.grammar import validate_arguments
 from serving.types import Tool, ToolCall
+from training.knobs import check_int_knobs
 
 _log = logging.getLogger(__name__)
 
@@ -67,10 +68,7 @@ _ENV_MINIMUMS = (
 
 def check_env_config(env) -> None:
   """A clear error naming the field for a bad config.env knob, before any episode is played."""
-  for name, low, why in _ENV_MINIMUMS:
-    value = env.get(name)
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-      raise ValueError(f"config.env.{name}={value!r}: must be an int >= {low} ({why}).")
+  check_int_knobs("env", env, _ENV_MINIMUMS)
   timeout = env.get("command_timeout_s")
   if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout < float("inf"):
     raise ValueError(f"config.env.command_timeout_s={timeout!r}: must be a finite number of seconds > 0 "

@@ -62,6 +62,7 @@ from sharding.state import create_sharded_model
 from training import batches as batches_lib
 from training import metrics as metrics_lib
 from training.checkpoint import Checkpointer, restore_params
+from training.knobs import check_int_knobs, check_nonnegative_numbers
 from training.loop import check_loop_config
 from training.train_step import TrainConfig, make_train_state
 
@@ -95,14 +96,8 @@ def check_run_knobs(rl) -> None:
   (A run with prompts_per_step=0 used to play and train on nothing for every step and save
   checkpoints of it.)
   """
-  for name, low, why in _RUN_KNOBS:
-    value = rl.get(name)
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-      raise ValueError(f"config.rl.{name}={value!r}: must be an int >= {low} ({why}).")
-  for name in ("temperature", "budget_penalty", "adaptive_floor"):
-    value = rl.get(name)
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not np.isfinite(value) or value < 0:
-      raise ValueError(f"config.rl.{name}={value!r}: must be a finite number >= 0.")
+  check_int_knobs("rl", rl, _RUN_KNOBS)
+  check_nonnegative_numbers("rl", rl, ("temperature", "budget_penalty", "adaptive_floor"))
   if rl.temperature == 0:
     raise ValueError("config.rl.temperature=0: greedy samples of a prompt are all the same episode, so "
                      "every group ties and gives no gradient; sample at a temperature > 0 (1.0 is usual).")

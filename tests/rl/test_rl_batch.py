@@ -203,7 +203,7 @@ def test_run_knobs_out_of_range_name_the_field_before_anything_is_built():
       RLRun(config, "/tmp/unused")
   config = rl_config.get_config("grpo,tiny")
   config.checkpoint.every = 0  # checked with the run knobs, as pretraining checks it
-  with pytest.raises(ValueError, match=re.escape("config.checkpoint.every=0: must be a positive int")):
+  with pytest.raises(ValueError, match=re.escape("config.checkpoint.every=0: must be an int >= 1")):
     RLRun(config, "/tmp/unused")
   config = rl_config.get_config("grpo,tiny")
   config.rl.update(adaptive=True, adaptive_floor=0.0)
