@@ -153,21 +153,27 @@ class RLRun:
     self.ckpt = Checkpointer(str(epath.Path(self.workdir) / "checkpoints"), every=config.checkpoint.every,
                              keep=config.checkpoint.keep, async_save=config.checkpoint.async_save)
     self.start = 0
+    init_from = config.checkpoint.get("init_from") or ""
+    # Where the run's weights started: {"init_from": path or "", "step": int or None}, saved with
+    # every checkpoint, so a resume rebuilds the KL reference from that exact step.
+    self.origin = {"init_from": init_from, "step": None}
     if self.ckpt.latest_step() is not None:
       meta = self.ckpt.restore(model=self.model, optimizer=self.optimizer)
       self.start = int(meta["step"])
       self.sampler.set_state(meta["data_state"])
+      self.origin = self._resumed_origin(meta["data_state"].get("origin"), init_from)
       logging.info("resumed RL from %s at step %d", self.ckpt.directory, self.start)
-    elif config.checkpoint.get("init_from"):
-      meta = restore_params(config.checkpoint.init_from, self.model)
-      logging.info("initialised the policy from %s (step %d)", config.checkpoint.init_from, meta["step"])
+    elif init_from:
+      meta = restore_params(init_from, self.model)
+      self.origin["step"] = int(meta["step"])
+      logging.info("initialised the policy from %s (step %d)", init_from, meta["step"])
     self.ref_model = None
     if self.obj.kl != "none":
-      # The frozen reference: the weights the run started from (init_from, or the seeded init),
-      # rebuilt the same way on resume.
+      # The frozen reference: the weights the run started from (init_from at the step it was
+      # read at, or the seeded init), rebuilt the same way on resume.
       self.ref_model = self._new_model()
-      if config.checkpoint.get("init_from"):
-        restore_params(config.checkpoint.init_from, self.ref_model)
+      if self.origin["init_from"]:
+        restore_params(self.origin["init_from"], self.ref_model, step=self.origin["step"])
     s = config.serving
     weights = self.rollout_weights()
     with mp.engine_context():
@@ -412,9 +418,25 @@ class RLRun:
                             "reward": ep.reward, "success": ep.success, "end": ep.end, "messages": turns},
                            default=str) + "\n")
 
+  def _resumed_origin(self, saved: dict | None, init_from: str) -> dict:
+    """The origin a resumed run keeps; an init_from that now names other weights is an error
+    while the KL reference depends on it (it would silently become a different model)."""
+    if saved is None:  # a checkpoint from before origins were saved: the latest step, as then
+      logging.warning("the checkpoint records no origin; the KL reference is read from %r at its "
+                      "latest step", init_from)
+      return {"init_from": init_from, "step": None}
+    if saved["init_from"] != init_from:
+      message = (f"this run started from config.checkpoint.init_from={saved['init_from']!r} (step "
+                 f"{saved['step']}), and it is now {init_from!r}; a resumed run keeps its origin")
+      if self.obj.kl != "none":
+        raise ValueError(f"{message}, which is its KL reference. Drop the override, or start a fresh "
+                         "--workdir to begin from the new weights.")
+      logging.warning("%s (the override is ignored).", message)
+    return dict(saved)
+
   def save(self, step: int, force: bool = False, sampler_state: dict | None = None) -> bool:
     return self.ckpt.save(step, model=self.model, optimizer=self.optimizer,
-                          data_state=sampler_state or self.sampler.get_state(),
+                          data_state={**(sampler_state or self.sampler.get_state()), "origin": self.origin},
                           rng=None, config=self.config.to_dict(), force=force)
 
 

@@ -214,3 +214,24 @@ def test_run_knobs_out_of_range_name_the_field_before_anything_is_built():
                         ("high=inf", "weight of tier 'high' is inf")):
     with pytest.raises(ValueError, match=re.escape(f"config.rl.tiers: {message}")):
       parse_tier_mix(text, "config.rl.tiers")
+
+
+def test_a_resumed_run_keeps_its_kl_reference(caplog):
+  """The KL reference is the weights the run started from: a resume reads init_from at the saved
+  step, and an init_from that now names other weights is refused (with KL) or ignored (without)."""
+  from configs import rl as rl_config
+  from rl.train.trainer import RLRun
+  config = rl_config.get_config("grpo,tiny")
+  config.rl.update(kl="k3", kl_coef=0.1)
+  r = RLRun(config, "/tmp/unused")
+  saved = {"init_from": "/runs/sft/checkpoints", "step": 300}
+  assert r._resumed_origin(saved, "/runs/sft/checkpoints") == saved  # the step is kept, not "latest"
+  with pytest.raises(ValueError, match=re.escape("started from config.checkpoint.init_from='/runs/sft/"
+                                                 "checkpoints' (step 300), and it is now '/runs/other'")):
+    r._resumed_origin(saved, "/runs/other")
+  legacy = r._resumed_origin(None, "/runs/sft/checkpoints")  # a checkpoint from before origins
+  assert legacy == {"init_from": "/runs/sft/checkpoints", "step": None}
+  config.rl.kl = "none"
+  with caplog.at_level("WARNING"):
+    assert RLRun(config, "/tmp/unused")._resumed_origin(saved, "/runs/other") == saved
+  assert "the override is ignored" in caplog.text
