@@ -30,3 +30,30 @@ def test_packing_is_checked_before_data_preparation(tmp_path):
   with pytest.raises(ValueError, match=re.escape("config.data.packing='first-fit': choose one of")):
     loop._Run(config, str(tmp_path))
   assert not (tmp_path / "data").exists()  # nothing was prepared
+
+
+def test_init_from_is_read_before_data_and_named_on_resume(tmp_path, caplog):
+  from flax import nnx
+
+  from model.config import ModelConfig
+  from model.decoder import Horizon
+  from training.checkpoint import Checkpointer, CheckpointNotFoundError
+
+  config = pretrain.get_config("tiny")
+  config.checkpoint.init_from = str(tmp_path / "nope")
+  built = []
+  with pytest.raises(CheckpointNotFoundError, match="nope"):
+    loop._Run(config, str(tmp_path / "fresh"), make_batches=lambda *a: built.append(a))
+  assert not built  # a fresh run's wrong init_from fails before the data is built
+
+  # A resumed run keeps its own weights: another init_from is ignored, and said so.
+  run_dir = tmp_path / "run"
+  started = pretrain.get_config("tiny")
+  started.checkpoint.init_from = "/somewhere/else"
+  model = Horizon(ModelConfig.from_config(started.model), rngs=nnx.Rngs(0))
+  ck = Checkpointer(str(run_dir / "checkpoints"), every=1, keep=1, async_save=False)
+  ck.save(1, model=model, config=started.to_dict(), force=True)
+  ck.wait()
+  with caplog.at_level("WARNING"):
+    loop.check_init_from(config, run_dir / "checkpoints")
+  assert "is ignored: this run resumes from" in caplog.text and "/somewhere/else" in caplog.text

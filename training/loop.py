@@ -37,7 +37,7 @@ from sharding import mesh as mesh_lib
 from sharding.state import create_sharded_model
 from training import batches as batches_lib
 from training import metrics as metrics_lib
-from training.checkpoint import Checkpointer, restore_params
+from training.checkpoint import Checkpointer, CheckpointNotFoundError, read_meta, restore_params
 from training.knobs import check_int_knobs
 from training.train_step import (
   TrainConfig,
@@ -66,6 +66,29 @@ def check_loop_config(config) -> None:
                      "measure it (CPU) or look it up (known accelerators).")
 
 
+def check_init_from(config, run_checkpoints: Any) -> None:
+  """config.checkpoint.init_from, before data or model are built.
+
+  A fresh run reads its meta now, so a wrong path fails in a second, not after the data is
+  prepared. A resumed run continues from its own checkpoint and ignores init_from (its weights
+  come from there); a path other than the one the run started from is said, not silently
+  dropped.
+  """
+  init_from = config.checkpoint.get("init_from") or ""
+  try:
+    resumed = read_meta(run_checkpoints)
+  except CheckpointNotFoundError:
+    resumed = None
+  if resumed is None:
+    if init_from:
+      read_meta(init_from)  # CheckpointNotFoundError names the directory
+    return
+  started = ((resumed.get("config") or {}).get("checkpoint") or {}).get("init_from") or ""
+  if init_from != started:
+    logging.warning("config.checkpoint.init_from=%r is ignored: this run resumes from %s (step %d), "
+                    "which started from %r", init_from, run_checkpoints, resumed["step"], started)
+
+
 class _Run:
   """State of one launch: model, optimizer, batch source, checkpointer."""
 
@@ -74,6 +97,7 @@ class _Run:
     self.cfg = model_config(config)
     self.tc = TrainConfig.from_config(config.train)
     check_loop_config(config)
+    check_init_from(config, epath.Path(workdir) / "checkpoints")
     self.mesh = mesh_lib.make_mesh(config.mesh)
     self.data = (make_batches or batches_lib.make_batches)(config, workdir, self.cfg, self.mesh, self.tc)
 
