@@ -53,6 +53,9 @@ def main(argv):
     raise app.UsageError("give exactly one of --checkpoint, --endpoint or --random_init")
   tasks = (load_tasks(_TASKS.value) if _TASKS.value else
            generated_tasks(_DOMAINS.value, _SPLIT.value, _DIFFICULTY.value, _N.value))
+  if not tasks:
+    raise app.UsageError(f"--tasks={_TASKS.value}: the file holds no tasks (one JSON task per line)."
+                         if _TASKS.value else "--n=0: no tasks to evaluate.")
   res = run_evaluation(_CONFIG.value, tasks=tasks, out_dir=_OUT.value,
                        tiers=harness.parse_tiers(_TIERS.value),
                        samples=_SAMPLES.value, concurrency=_CONCURRENCY.value, checkpoint=_CHECKPOINT.value,

@@ -7,8 +7,10 @@ from typing import Any
 from serving.engine import Engine
 
 
-def build_engine(config: Any, checkpoint: str | None = None) -> Engine:
+def build_engine(config: Any, checkpoint: str | None = None, step: int | None = None) -> Engine:
   """An (unstarted) Engine from a serve config (configs/serve.py) and optional checkpoint.
+
+  step: the checkpoint's step to load (default: its latest).
 
   With a checkpoint (written by the pretraining launcher), its stored model
   config wins over `config.model` (the weights decide the shapes); without
@@ -24,7 +26,7 @@ def build_engine(config: Any, checkpoint: str | None = None) -> Engine:
   s = config.serving
   run = {}
   if checkpoint:
-    meta = read_meta(checkpoint)
+    meta = read_meta(checkpoint, step)
     run = meta.get("config") or {}
     # Fields added since the checkpoint was written come from config.model. One step throughout, so
     # a trainer writing a newer checkpoint meanwhile cannot mix configs and weights.

@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from rl.eval import harness
 from rl.eval.report import TIER_ORDER
 
 # run.json fields that must agree for the pairing to mean "the same test, another policy".
@@ -44,19 +45,30 @@ def load_run(out_dir: str | Path) -> tuple[dict[str, dict[str, Any]], dict[str, 
   if not path.is_file():
     raise CompareError(f"{out}: no results.jsonl; pass the --out directory of experiments.evaluate.")
   records: dict[str, dict[str, Any]] = {}
-  for lineno, line in enumerate(path.read_text().splitlines(), 1):
+  lines = path.read_text().splitlines()
+  last = max((i for i, line in enumerate(lines, 1) if line.strip()), default=0)
+  for lineno, line in enumerate(lines, 1):
     if not line.strip():
       continue
     try:
       r = json.loads(line)
+    except json.JSONDecodeError as e:
+      if lineno == last:
+        continue  # a line cut by a crash, as the harness reads it: that episode is not in the run
+      raise CompareError(f"{path}:{lineno}: not an evaluation record ({e}).") from e
+    try:
       records[r["key"]] = {"domain": r["domain"], "tier": r["tier"], "success": bool(r["success"])}
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+    except (KeyError, TypeError) as e:
       raise CompareError(f"{path}:{lineno}: not an evaluation record ({e}).") from e
   meta_path = out / "run.json"
   try:
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
   except json.JSONDecodeError as e:
     raise CompareError(f"{meta_path}: not JSON ({e}); rerun experiments.evaluate to rewrite it.") from e
+  signature = harness.signature_path(path)
+  if "sampling" not in meta and signature.is_file():
+    # run.json is written when an evaluation finishes; an interrupted one has only its signature.
+    meta = {**meta, "sampling": json.loads(signature.read_text()).get("sampling", {})}
   return records, meta
 
 
@@ -86,7 +98,13 @@ def paired_row(pairs: Sequence[tuple[bool, bool]]) -> dict[str, float]:
 
 def check_comparable(meta_before: Mapping[str, Any], meta_after: Mapping[str, Any]) -> None:
   """Raises CompareError when the runs' sampling settings differ (run.json 'sampling')."""
-  sb, sa = meta_before.get("sampling", {}), meta_after.get("sampling", {})
+  for name, meta in (("before", meta_before), ("after", meta_after)):
+    if "sampling" not in meta:
+      raise CompareError(f"the {name} run records no sampling settings (no run.json, which an "
+                         "evaluation writes when it finishes, and no results.jsonl.signature.json): finish "
+                         "it by rerunning its command, or pass allow_different_sampling "
+                         "(--allow_different_sampling).")
+  sb, sa = meta_before["sampling"], meta_after["sampling"]
   diffs = [f"{k}: {sb.get(k)!r} vs {sa.get(k)!r}" for k in _SAME if sb.get(k) != sa.get(k)]
   if diffs:
     raise CompareError("the runs sampled differently (" + "; ".join(diffs) + "), so a paired test would "

@@ -17,6 +17,7 @@ from rl.envs.base import EnvContext
 from rl.eval import harness, report
 from rl.tasks import generators
 from rl.tasks.schema import DOMAINS, Task
+from training.checkpoint import read_meta
 
 
 def generated_tasks(domains: Sequence[str], split: str, difficulty: int, n: int, seed: int = 0) -> list[Task]:
@@ -30,12 +31,13 @@ def generated_tasks(domains: Sequence[str], split: str, difficulty: int, n: int,
   return out
 
 
-def engine_policy(config, checkpoint: str | None):
-  """(EnginePolicy, engine) over a checkpoint (or random weights) with config.serving's engine."""
+def engine_policy(config, checkpoint: str | None, step: int | None = None):
+  """(EnginePolicy, engine) over a checkpoint's step (default latest; or random weights) with
+  config.serving's engine."""
   from serving.build import build_engine
   from serving.chat import ChatRenderer
 
-  engine = build_engine(config, checkpoint).start()
+  engine = build_engine(config, checkpoint, step).start()
   vision = engine.cfg.vision
   renderer = ChatRenderer(engine.tokenizer, vision.num_patches if vision.enabled else 0)
   return EnginePolicy(engine, renderer, dict(config.serving.thinking_budgets)), engine
@@ -76,9 +78,12 @@ def run_evaluation(
   loop = LoopConfig.from_config(config.env)
   # What decides an episode besides its (task, tier, sample) key: a resumed run must match it,
   # checked before a model is loaded.
+  # A checkpoint is pinned to the step it has now: a trainer adding steps meanwhile changes
+  # neither this run's weights nor what a resume compares against.
+  step = read_meta(checkpoint)["step"] if checkpoint and not endpoint else None
   signature = {
     "policy": f"{api}:{endpoint}:{model or config.serving.model_name}" if endpoint
-    else f"checkpoint:{checkpoint or 'random-init'}",
+    else f"checkpoint:{checkpoint}@{step}" if checkpoint else "random-init",
     "sampling": dataclasses.asdict(sampling),
     "loop": dataclasses.asdict(loop),
     "thinking_budgets": budgets,
@@ -98,7 +103,7 @@ def run_evaluation(
       api, endpoint, model or config.serving.model_name, api_key, thinking_budgets=budgets, count_tokens=count
     )
   else:
-    policy, engine = engine_policy(config, checkpoint)
+    policy, engine = engine_policy(config, checkpoint, step)
   executor = make_executor(config.env.executor, ctx, workers=int(config.env.workers))
   start = time.time()
   try:
@@ -125,7 +130,8 @@ def run_evaluation(
   summary = report.summary_json(rows)
   (out / "summary.json").write_text(summary + "\n")
   meta = {
-    "policy": f"{api}:{endpoint}" if endpoint else f"checkpoint:{checkpoint or 'random-init'}",
+    "policy": f"{api}:{endpoint}" if endpoint else f"checkpoint:{checkpoint}@{step}" if checkpoint
+    else "checkpoint:random-init",
     "tasks": len(tasks),
     "tiers": [harness.tier_name(t) for t in tiers],
     "samples": samples,

@@ -86,3 +86,27 @@ def test_cli_prints_a_table_and_json(tmp_path):
   assert out[0].startswith("| domain | tier | n |")
   assert "| math | high | 10 | 40.0 | 60.0 | +20.0 | 3 / 1 |" in out[2]
   assert json.loads(out[-1])["rows"][0]["up"] == 3
+
+
+def test_interrupted_runs_compare_by_their_signature_and_torn_lines(tmp_path):
+  b = _write_run(tmp_path / "b", BEFORE)
+  a = _write_run(tmp_path / "a", AFTER)
+  sampling = json.loads((a / "run.json").read_text())["sampling"]
+  (a / "run.json").unlink()  # interrupted: only the signature the harness wrote at the start
+  (a / "results.jsonl.signature.json").write_text(json.dumps({"policy": "x", "sampling": sampling}))
+  with (a / "results.jsonl").open("a") as f:
+    f.write('{"key": "math-heldout-00099|hi')  # a crash mid-line: the harness skips it, and so does compare
+  rows, _ = compare_dirs(b, a)
+  assert rows[0]["n"] == 10
+  (a / "results.jsonl.signature.json").write_text(json.dumps({"sampling": dict(sampling, temperature=1.0)}))
+  with pytest.raises(CompareError, match="temperature: 0.0 vs 1.0"):
+    compare_dirs(b, a)
+  (a / "results.jsonl.signature.json").unlink()
+  with pytest.raises(CompareError, match="the after run records no sampling settings"):
+    compare_dirs(b, a)
+  assert compare_dirs(b, a, allow_different_sampling=True)[0][0]["n"] == 10
+  # Only the last line may be torn: one in the middle is a broken file.
+  lines = (a / "results.jsonl").read_text().splitlines()
+  (a / "results.jsonl").write_text("\n".join(lines[:3] + ["{torn"] + lines[3:]) + "\n")
+  with pytest.raises(CompareError, match="results.jsonl:4: not an evaluation record"):
+    compare_dirs(b, a, allow_different_sampling=True)
