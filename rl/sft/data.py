@@ -149,6 +149,10 @@ def _tool_call(c: Any, where: str, field: str) -> ToolCall:
 def _message(m: Any, where: str, f: str) -> Message:
   if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant", "tool"):
     raise _bad(where, f"{f}.role", "expected one of system, developer, user, assistant, tool")
+  if m.get("weight", 1) != 1:
+    raise _bad(where, f"{f}.weight", f"is {m['weight']!r}; OpenAI's per-turn weight 0 (do not train on "
+               "this turn) is not supported here, and every assistant turn is trained on: drop the key "
+               "to train on the turn, or move the turn into the prompt of a shorter conversation")
   role = "system" if m["role"] == "developer" else m["role"]
   text = _content_text(m.get("content"), where, f"{f}.content")
   if role == "assistant":
@@ -172,6 +176,15 @@ def parse_chat(obj: Any, where: str) -> tuple[list[Message], list[Tool]]:
   messages = [_message(m, where, f"messages[{i}]") for i, m in enumerate(obj["messages"])]
   if not any(m.role == "assistant" for m in messages):
     raise _bad(where, "messages", "has no assistant message: nothing to train on")
+  pending: list[str] = []  # tool calls not yet answered; the conversation may end on a call
+  for i, m in enumerate(messages):
+    if m.role == "assistant" and pending:
+      raise _bad(where, f"messages[{i}]", f"an assistant message while tool call(s) {pending} have no "
+                 "tool result yet; add a 'tool' message answering each call before the next turn")
+    if m.role == "assistant":
+      pending = [c.id for c in m.tool_calls]
+    elif m.role == "tool" and m.tool_call_id in pending:
+      pending.remove(m.tool_call_id)
   return messages, tools
 
 
@@ -180,17 +193,22 @@ def load_chat_jsonl(path: str | Path) -> Iterator[tuple[list[Message], list[Tool
   path = Path(path)
   if not path.is_file():
     raise FileNotFoundError(f"SFT data file {str(path)!r} does not exist")
-  with open(path, encoding="utf-8") as f:
-    for lineno, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      where = f"{path}:{lineno}"
-      try:
-        obj = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ChatDataError(f"{where}: not valid JSON ({e.msg}); one conversation object per line") from None
-      messages, tools = parse_chat(obj, where)
-      yield messages, tools, where
+  try:
+    with open(path, encoding="utf-8") as f:
+      lines = list(enumerate(f, 1))
+  except UnicodeDecodeError as e:
+    raise ChatDataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8 "
+                        "(Windows PowerShell's `>` writes UTF-16)") from None
+  for lineno, line in lines:
+    if not line.strip():
+      continue
+    where = f"{path}:{lineno}"
+    try:
+      obj = json.loads(line)
+    except json.JSONDecodeError as e:
+      raise ChatDataError(f"{where}: not valid JSON ({e.msg}); one conversation object per line") from None
+    messages, tools = parse_chat(obj, where)
+    yield messages, tools, where
 
 
 def uses_thinking(messages: Sequence[Message]) -> bool:

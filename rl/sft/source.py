@@ -88,6 +88,24 @@ def oracle_conversations(tasks, ctx: EnvContext, config: LoopConfig, budgets: di
   return out
 
 
+def chat_examples(path: str, renderer: ChatRenderer, chat_tier: str | None) -> list[sft.Example]:
+  """The rendered conversations of one chat JSONL file (config.sft.chat_files); every error
+  names file:line, and a file without conversations is an error."""
+  out = []
+  for messages, tools, where in sft.load_chat_jsonl(path):
+    tier = chat_tier
+    if tier is None and sft.uses_thinking(messages):
+      tier = "max"
+    try:
+      out.append(sft.render_example(renderer, messages, tools, tier, source=where))
+    except ValueError as e:  # the chat format's own checks (tool ids, names, schemas)
+      raise sft.ChatDataError(f"{where}: {e}") from None
+  if not out:
+    raise sft.ChatDataError(f"config.sft.chat_files: {path} holds no conversations (one JSON "
+                            "conversation per line); remove it from the list or fill it.")
+  return out
+
+
 class SFTBatches:
   """Packed SFT rows from config.sft: generated-task oracles and OpenAI-format chat files."""
 
@@ -115,15 +133,10 @@ class SFTBatches:
         for messages, tools, tier, task in played:
           examples.append(sft.render_example(renderer, messages, tools, tier, source=task.id))
         self.counts[f"{domain}/{level}"] = len(played)
-    for path in [p for p in s.chat_files.split(",") if p.strip()]:
-      n = 0
-      for messages, tools, where in sft.load_chat_jsonl(path.strip()):
-        tier = s.chat_tier or None
-        if tier is None and sft.uses_thinking(messages):
-          tier = "max"
-        examples.append(sft.render_example(renderer, messages, tools, tier, source=where))
-        n += 1
-      self.counts[path.strip()] = n
+    for path in [p.strip() for p in s.chat_files.split(",") if p.strip()]:
+      chats = chat_examples(path, renderer, s.chat_tier or None)
+      examples += chats
+      self.counts[path] = len(chats)
     order = np.random.default_rng(self.seed).permutation(len(examples))
     self.stats = sft.PackStats()
     self.rows = list(sft.pack((examples[i] for i in order), tc.seq_len, self.stats))

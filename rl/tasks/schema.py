@@ -451,10 +451,15 @@ def parse_tasks(objs: Iterable[Any], where: str = "tasks") -> list[Task]:
 
 
 def _lines(path: Path) -> Iterator[tuple[int, str]]:
-  with open(path, encoding="utf-8") as f:
-    for lineno, line in enumerate(f, 1):
-      if line.strip():
-        yield lineno, line
+  try:
+    with open(path, encoding="utf-8") as f:
+      lines = list(enumerate(f, 1))
+  except UnicodeDecodeError as e:
+    raise TaskError(str(path), None, f"is not UTF-8 text ({e.reason} at byte {e.start}); save it as "
+                    "UTF-8 (Windows PowerShell's `>` writes UTF-16)") from None
+  for lineno, line in lines:
+    if line.strip():
+      yield lineno, line
 
 
 def load_tasks(path: str | Path) -> list[Task]:

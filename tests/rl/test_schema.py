@@ -147,6 +147,9 @@ def test_jsonl_file_errors_name_line(tmp_path):
   assert e.value.where.endswith(f":{len(lines) + 1}")
   with pytest.raises(FileNotFoundError, match="make_tasks"):
     load_tasks(tmp_path / "missing.jsonl")
+  path.write_text("\n".join(lines) + "\n", encoding="utf-16")  # what PowerShell's `>` writes
+  with pytest.raises(TaskError, match=r"t.jsonl: is not UTF-8 text \(.* at byte 0\); save it as UTF-8"):
+    load_tasks(path)
 
 
 @pytest.mark.parametrize(

@@ -210,3 +210,41 @@ def test_sft_domains_are_checked_before_any_is_played():
   # Nothing else is needed: the check runs before the first domain's oracles would play.
   with pytest.raises(ValueError, match=r"config.sft.domains: unknown domain 'bogus'; domains: math, "):
     SFTBatches(config, mesh=None, tc=None, tokenizer=None, renderer=None, ctx=None, loop=None)
+
+
+def test_chat_files_errors_name_the_file_and_line(tmp_path, renderer):
+  from rl.sft.source import chat_examples
+  call = {"id": "c1", "type": "function", "function": {"name": "shell", "arguments": '{"command": "ls"}'}}
+  tools = [{"type": "function", "function": {"name": "shell", "parameters": TOOL.parameters}}]
+
+  def write(name, *convs, encoding="utf-8"):
+    path = tmp_path / name
+    text = "".join(json.dumps({"messages": m, "tools": tools}) + "\n" for m in convs)
+    path.write_text(text, encoding=encoding)
+    return path
+
+  user = {"role": "user", "content": "hi"}
+  orphan = write("orphan.jsonl", [user, {"role": "assistant", "content": "ok"},
+                                  {"role": "tool", "tool_call_id": "zz", "content": "x"},
+                                  {"role": "assistant", "content": "done"}])
+  with pytest.raises(sft.ChatDataError, match=r"orphan.jsonl:1: .*tool_call_id: 'zz' matches no tool call"):
+    chat_examples(str(orphan), renderer, None)
+  unanswered = write("unanswered.jsonl", [user, {"role": "assistant", "content": "", "tool_calls": [call]},
+                                          {"role": "assistant", "content": "done"}])
+  with pytest.raises(sft.ChatDataError, match=r"unanswered.jsonl:1: field 'messages\[2\]': an assistant "
+                     r"message while tool call\(s\) \['c1'\] have no tool result"):
+    chat_examples(str(unanswered), renderer, None)
+  ends_on_call = write("ends.jsonl", [user, {"role": "assistant", "content": "", "tool_calls": [call]}])
+  assert len(chat_examples(str(ends_on_call), renderer, None)) == 1  # a conversation may end on a call
+  weighted = write("weighted.jsonl", [user, {"role": "assistant", "content": "no", "weight": 0}])
+  with pytest.raises(sft.ChatDataError, match=r"weighted.jsonl:1: field 'messages\[1\].weight': is 0; "):
+    chat_examples(str(weighted), renderer, None)
+  assert len(chat_examples(str(write("w1.jsonl", [user, {"role": "assistant", "content": "y", "weight": 1}])),
+                           renderer, None)) == 1
+  empty = tmp_path / "empty.jsonl"
+  empty.write_text("\n")
+  with pytest.raises(sft.ChatDataError, match=r"config.sft.chat_files: .*empty.jsonl holds no conversations"):
+    chat_examples(str(empty), renderer, None)
+  utf16 = write("utf16.jsonl", [user, {"role": "assistant", "content": "ok"}], encoding="utf-16")
+  with pytest.raises(sft.ChatDataError, match=r"utf16.jsonl: not UTF-8 text"):
+    chat_examples(str(utf16), renderer, None)
