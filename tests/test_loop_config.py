@@ -57,3 +57,7 @@ def test_init_from_is_read_before_data_and_named_on_resume(tmp_path, caplog):
   with caplog.at_level("WARNING"):
     loop.check_init_from(config, run_dir / "checkpoints")
   assert "is ignored: this run resumes from" in caplog.text and "/somewhere/else" in caplog.text
+  from training.checkpoint import read_meta
+  for wrong in (run_dir, run_dir / "checkpoints" / "1"):  # the run's directory, or one step's
+    with pytest.raises(CheckpointNotFoundError, match=re.escape("; pass <workdir>/checkpoints.")):
+      read_meta(wrong)

@@ -22,9 +22,8 @@ Layout of one step (`<directory>/<step>/`), three orbax items:
              JSON; each process reads its own slice of the data, so each has
              its own state), and the run's config as a dict.
 
-Readers that need no optimizer (the server, the quantizer) use
-`restore_params` / `load_model`, which restore only `params`, straight into
-the shardings of an abstract model: nothing is randomly initialised first.
+Readers that need no optimizer (the server, the quantizer) use `restore_params` / `load_model`,
+which restore only `params`, straight into the shardings of an abstract model (no random init).
 
 Directories may be local paths or URLs TensorStore understands (gs://, s3://):
 all file operations go through `etils.epath` and orbax; nothing here calls
@@ -102,9 +101,10 @@ def _reader(directory: epath.Path) -> ocp.CheckpointManager:
 def _resolve_step(mngr: ocp.CheckpointManager, step: int | None) -> int:
   steps = sorted(mngr.all_steps())
   if not steps:
-    raise CheckpointNotFoundError(
-        f"no checkpoint in {mngr.directory}: it holds no finalized step (a save interrupted "
-        "before its commit leaves only a temporary directory, which is ignored).")
+    where = epath.Path(mngr.directory)  # a run directory, or one step's, passed by mistake:
+    hint = "; pass <workdir>/checkpoints" if (where / "checkpoints").exists() or where.name.isdigit() else ""
+    raise CheckpointNotFoundError(f"no checkpoint in {where}: it holds no finalized step (an interrupted "
+                                  f"save leaves only a temporary directory, which is ignored){hint}.")
   if step is None:
     return steps[-1]
   if step not in steps:
