@@ -75,13 +75,14 @@ def check_init_from(config, run_checkpoints: Any) -> None:
   dropped.
   """
   init_from = config.checkpoint.get("init_from") or ""
+  if not init_from:
+    return
   try:
     resumed = read_meta(run_checkpoints)
   except CheckpointNotFoundError:
     resumed = None
   if resumed is None:
-    if init_from:
-      read_meta(init_from)  # CheckpointNotFoundError names the directory
+    read_meta(init_from)  # CheckpointNotFoundError names the directory
     return
   started = ((resumed.get("config") or {}).get("checkpoint") or {}).get("init_from") or ""
   if init_from != started:

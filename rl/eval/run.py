@@ -76,11 +76,11 @@ def run_evaluation(
   )
   ctx = EnvContext.from_config(config.env)  # checks every config.env knob first
   loop = LoopConfig.from_config(config.env)
-  # What decides an episode besides its (task, tier, sample) key: a resumed run must match it,
-  # checked before a model is loaded.
   # A checkpoint is pinned to the step it has now: a trainer adding steps meanwhile changes
   # neither this run's weights nor what a resume compares against.
   step = read_meta(checkpoint)["step"] if checkpoint and not endpoint else None
+  # What decides an episode besides its (task, tier, sample) key: a resumed run must match it,
+  # checked before a model is loaded.
   signature = {
     "policy": f"{api}:{endpoint}:{model or config.serving.model_name}" if endpoint
     else f"checkpoint:{checkpoint}@{step}" if checkpoint else "random-init",

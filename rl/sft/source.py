@@ -124,6 +124,10 @@ class SFTBatches:
       if domain not in generators.DOMAINS:
         raise ValueError(f"config.sft.domains: unknown domain {domain!r}; domains: "
                          f"{', '.join(generators.DOMAINS)} (comma-separated).")
+    # Chat files are read (and any error in them raised) before minutes of oracle episodes;
+    # their examples still follow the oracles', as before.
+    chats = {p.strip(): chat_examples(p.strip(), renderer, s.chat_tier or None)
+             for p in s.chat_files.split(",") if p.strip()}
     for domain in domains:
       for level in _levels(s.difficulties, generators.max_difficulty(domain)):
         tasks = generators.generate(domain, split="train", difficulty=level, n=int(s.tasks_per_level),
@@ -133,10 +137,9 @@ class SFTBatches:
         for messages, tools, tier, task in played:
           examples.append(sft.render_example(renderer, messages, tools, tier, source=task.id))
         self.counts[f"{domain}/{level}"] = len(played)
-    for path in [p.strip() for p in s.chat_files.split(",") if p.strip()]:
-      chats = chat_examples(path, renderer, s.chat_tier or None)
-      examples += chats
-      self.counts[path] = len(chats)
+    for path, rendered in chats.items():
+      examples += rendered
+      self.counts[path] = len(rendered)
     order = np.random.default_rng(self.seed).permutation(len(examples))
     self.stats = sft.PackStats()
     self.rows = list(sft.pack((examples[i] for i in order), tc.seq_len, self.stats))

@@ -422,8 +422,9 @@ class RLRun:
     """The origin a resumed run keeps; an init_from that now names other weights is an error
     while the KL reference depends on it (it would silently become a different model)."""
     if saved is None:  # a checkpoint from before origins were saved: the latest step, as then
-      logging.warning("the checkpoint records no origin; the KL reference is read from %r at its "
-                      "latest step", init_from)
+      if init_from and self.obj.kl != "none":
+        logging.warning("the checkpoint records no origin; the KL reference is read from %r at its "
+                        "latest step", init_from)
       return {"init_from": init_from, "step": None}
     if saved["init_from"] != init_from:
       message = (f"this run started from config.checkpoint.init_from={saved['init_from']!r} (step "

@@ -248,3 +248,15 @@ def test_chat_files_errors_name_the_file_and_line(tmp_path, renderer):
   utf16 = write("utf16.jsonl", [user, {"role": "assistant", "content": "ok"}], encoding="utf-16")
   with pytest.raises(sft.ChatDataError, match=r"utf16.jsonl: not UTF-8 text"):
     chat_examples(str(utf16), renderer, None)
+
+
+def test_chat_files_are_read_before_the_oracles_play(tmp_path, renderer):
+  from configs import sft as sft_config
+  from rl.sft.source import SFTBatches
+  config = sft_config.get_config("tiny")
+  empty = tmp_path / "empty.jsonl"
+  empty.write_text("")
+  config.sft.update(domains="math", chat_files=str(empty))
+  # ctx / loop are None: playing a maths oracle first would fail on them, not on the chat file.
+  with pytest.raises(sft.ChatDataError, match="empty.jsonl holds no conversations"):
+    SFTBatches(config, mesh=None, tc=None, tokenizer=None, renderer=renderer, ctx=None, loop=None)
