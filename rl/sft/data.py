@@ -4,8 +4,9 @@ Sources:
   * oracle trajectories of generated tasks, played through the agent loop and the real
     environments (`oracle_conversations`), so tool results are the ones the tools return;
   * any JSONL of conversations in OpenAI chat format (`load_chat_jsonl`): one object per line
-    with `messages` (system / user / assistant with optional `reasoning_content` and
-    `tool_calls` / tool with `tool_call_id`) and optional `tools` (OpenAI function tools).
+    with `messages` (system / user / assistant with optional `reasoning_content`, `tool_calls`
+    and OpenAI's `weight` (0: context only, not trained on) / tool with `tool_call_id`) and
+    optional `tools` (OpenAI function tools).
 
 The mask is exact by construction: the chat format is append-only, so assistant message i
 occupies render(messages[:i+1])[len(render(messages[:i]) + generation prompt):] -- its
@@ -22,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -78,14 +79,16 @@ def render_example(
   tools: Sequence[Tool] = (),
   tier: str | None = None,
   source: str = "",
+  untrained: Collection[int] = (),
 ) -> Example:
-  """Token ids of the whole conversation and the assistant-token mask."""
+  """Token ids of the whole conversation and the assistant-token mask (assistant messages whose
+  index is in `untrained`, OpenAI's weight 0, stay context and are masked out)."""
   thinking = tier is not None
   kw = dict(tools=tools, effort=tier, thinking=thinking)
   full = renderer.render(messages, add_generation_prompt=False, **kw).ids
   mask = np.zeros(len(full), np.int32)
   for i, m in enumerate(messages):
-    if m.role != "assistant":
+    if m.role != "assistant" or i in untrained:
       continue
     before = renderer.render(messages[:i], add_generation_prompt=True, **kw).ids
     upto = renderer.render(messages[: i + 1], add_generation_prompt=False, **kw).ids
@@ -149,10 +152,10 @@ def _tool_call(c: Any, where: str, field: str) -> ToolCall:
 def _message(m: Any, where: str, f: str) -> Message:
   if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant", "tool"):
     raise _bad(where, f"{f}.role", "expected one of system, developer, user, assistant, tool")
-  if m.get("weight", 1) != 1:
-    raise _bad(where, f"{f}.weight", f"is {m['weight']!r}; OpenAI's per-turn weight 0 (do not train on "
-               "this turn) is not supported here, and every assistant turn is trained on: drop the key "
-               "to train on the turn, or move the turn into the prompt of a shorter conversation")
+  weight = m.get("weight", 1)
+  if weight not in (0, 1) or isinstance(weight, bool) or ("weight" in m and m["role"] != "assistant"):
+    raise _bad(where, f"{f}.weight", f"is {m['weight']!r}; as in OpenAI's format, only an assistant "
+               "message takes a weight, 0 (not trained on) or 1 (trained on, the default)")
   role = "system" if m["role"] == "developer" else m["role"]
   text = _content_text(m.get("content"), where, f"{f}.content")
   if role == "assistant":
@@ -168,14 +171,16 @@ def _message(m: Any, where: str, f: str) -> Message:
   return Message(role, [TextPart(text)])
 
 
-def parse_chat(obj: Any, where: str) -> tuple[list[Message], list[Tool]]:
-  """One OpenAI-format conversation -> (messages, tools); errors name where and the field."""
+def parse_chat(obj: Any, where: str) -> tuple[list[Message], list[Tool], frozenset[int]]:
+  """One OpenAI-format conversation -> (messages, tools, indices of the assistant messages with
+  weight 0, which are context but not trained on); errors name where and the field."""
   if not isinstance(obj, dict) or not isinstance(obj.get("messages"), list) or not obj["messages"]:
     raise _bad(where, "messages", "expected an object with a non-empty 'messages' list")
   tools = _tools(obj, where)
   messages = [_message(m, where, f"messages[{i}]") for i, m in enumerate(obj["messages"])]
-  if not any(m.role == "assistant" for m in messages):
-    raise _bad(where, "messages", "has no assistant message: nothing to train on")
+  untrained = frozenset(i for i, m in enumerate(obj["messages"]) if m.get("weight", 1) == 0)
+  if not any(m.role == "assistant" and i not in untrained for i, m in enumerate(messages)):
+    raise _bad(where, "messages", "has no assistant message with weight 1: nothing to train on")
   pending: list[str] = []  # tool calls not yet answered; the conversation may end on a call
   for i, m in enumerate(messages):
     if m.role == "assistant" and pending:
@@ -185,11 +190,12 @@ def parse_chat(obj: Any, where: str) -> tuple[list[Message], list[Tool]]:
       pending = [c.id for c in m.tool_calls]
     elif m.role == "tool" and m.tool_call_id in pending:
       pending.remove(m.tool_call_id)
-  return messages, tools
+  return messages, tools, untrained
 
 
-def load_chat_jsonl(path: str | Path) -> Iterator[tuple[list[Message], list[Tool], str]]:
-  """Yields (messages, tools, 'file:line') for each conversation in a JSONL file."""
+def load_chat_jsonl(path: str | Path) -> Iterator[tuple[list[Message], list[Tool], frozenset[int], str]]:
+  """Yields (messages, tools, untrained message indices, 'file:line') for each conversation in a
+  JSONL file (`parse_chat`)."""
   path = Path(path)
   if not path.is_file():
     raise FileNotFoundError(f"SFT data file {str(path)!r} does not exist")
@@ -207,8 +213,8 @@ def load_chat_jsonl(path: str | Path) -> Iterator[tuple[list[Message], list[Tool
       obj = json.loads(line)
     except json.JSONDecodeError as e:
       raise ChatDataError(f"{where}: not valid JSON ({e.msg}); one conversation object per line") from None
-    messages, tools = parse_chat(obj, where)
-    yield messages, tools, where
+    messages, tools, untrained = parse_chat(obj, where)
+    yield messages, tools, untrained, where
 
 
 def uses_thinking(messages: Sequence[Message]) -> bool:

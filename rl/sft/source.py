@@ -92,12 +92,12 @@ def chat_examples(path: str, renderer: ChatRenderer, chat_tier: str | None) -> l
   """The rendered conversations of one chat JSONL file (config.sft.chat_files); every error
   names file:line, and a file without conversations is an error."""
   out = []
-  for messages, tools, where in sft.load_chat_jsonl(path):
+  for messages, tools, untrained, where in sft.load_chat_jsonl(path):
     tier = chat_tier
     if tier is None and sft.uses_thinking(messages):
       tier = "max"
     try:
-      out.append(sft.render_example(renderer, messages, tools, tier, source=where))
+      out.append(sft.render_example(renderer, messages, tools, tier, source=where, untrained=untrained))
     except ValueError as e:  # the chat format's own checks (tool ids, names, schemas)
       raise sft.ChatDataError(f"{where}: {e}") from None
   if not out:

@@ -188,11 +188,14 @@ def _files(obj: Mapping, key: str, where: str, *, required: bool = True) -> dict
     return {}
   v = obj[key]
   _need(isinstance(v, dict), where, key, "an object {relative path: file content}", v)
-  out = {}
+  out, given = {}, {}
   for path, content in v.items():
     norm = check_relative_path(path, where, f"{key}")
     _need(isinstance(content, str), where, f"{key}[{path!r}]", "file content as a string", content)
-    out[norm] = content
+    if norm in out:
+      raise TaskError(where, f"{key}[{path!r}]", f"is the same file as {given[norm]!r} ({norm!r}); "
+                      "give each file once")
+    out[norm], given[norm] = content, path
   return out
 
 

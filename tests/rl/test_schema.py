@@ -76,6 +76,11 @@ BAD = [
     "files['a']",
     "string",
   ),
+  (
+    {"id": "x", "domain": "code", "prompt": "p", "files": {"a": "1", "./a": "2"}, "test_command": "t"},
+    "files['./a']",
+    "same file as 'a'",
+  ),
   ({"id": "x", "domain": "terminal", "prompt": "p", "files": {}, "check": {}}, "check", "at least one"),
   (
     {"id": "x", "domain": "terminal", "prompt": "p", "files": {}, "check": {"exists": []}},

@@ -83,7 +83,8 @@ def test_chat_jsonl_round_trip_and_errors(tmp_path, renderer):
     + "\n"
   )
   it = sft.load_chat_jsonl(path)
-  messages, tools, where = next(it)
+  messages, tools, untrained, where = next(it)
+  assert untrained == frozenset()
   assert where.endswith(":1") and tools[0].name == "shell" and messages[1].thinking == "think"
   ex = sft.render_example(renderer, messages, tools, tier="high")
   assert ex.mask.sum() > 0
@@ -236,11 +237,23 @@ def test_chat_files_errors_name_the_file_and_line(tmp_path, renderer):
     chat_examples(str(unanswered), renderer, None)
   ends_on_call = write("ends.jsonl", [user, {"role": "assistant", "content": "", "tool_calls": [call]}])
   assert len(chat_examples(str(ends_on_call), renderer, None)) == 1  # a conversation may end on a call
-  weighted = write("weighted.jsonl", [user, {"role": "assistant", "content": "no", "weight": 0}])
-  with pytest.raises(sft.ChatDataError, match=r"weighted.jsonl:1: field 'messages\[1\].weight': is 0; "):
-    chat_examples(str(weighted), renderer, None)
-  assert len(chat_examples(str(write("w1.jsonl", [user, {"role": "assistant", "content": "y", "weight": 1}])),
-                           renderer, None)) == 1
+  reply = {"role": "assistant", "content": "no"}
+  for name, conv, message in (
+      ("w2", [user, dict(reply, weight=2)], r"messages\[1\].weight': is 2"),
+      ("wu", [dict(user, weight=0), reply], r"messages\[0\].weight': is 0"),
+      ("w0", [user, dict(reply, weight=0)], r"no assistant message with weight 1"),
+  ):
+    with pytest.raises(sft.ChatDataError, match=f"{name}.jsonl:1: field '.*{message}"):
+      chat_examples(str(write(f"{name}.jsonl", conv)), renderer, None)
+  # OpenAI's weight 0: the turn stays in the context and is masked out of the loss.
+  first, more, second = ({"role": "assistant", "content": "first"}, {"role": "user", "content": "and?"},
+                         {"role": "assistant", "content": "second"})
+  both = chat_examples(str(write("both.jsonl", [user, first, more, second])), renderer, None)[0]
+  off = [user, dict(first, weight=0), more, second]
+  first_off = chat_examples(str(write("off.jsonl", off)), renderer, None)[0]
+  np.testing.assert_array_equal(first_off.ids, both.ids)
+  assert 0 < first_off.mask.sum() < both.mask.sum()
+  assert first_off.mask[both.mask.argmax()] == 0 and first_off.mask[-1] == both.mask[-1] == 1
   empty = tmp_path / "empty.jsonl"
   empty.write_text("\n")
   with pytest.raises(sft.ChatDataError, match=r"config.sft.chat_files: .*empty.jsonl holds no conversations"):
