@@ -68,7 +68,10 @@ def load_run(out_dir: str | Path) -> tuple[dict[str, dict[str, Any]], dict[str, 
   signature = harness.signature_path(path)
   if "sampling" not in meta and signature.is_file():
     # run.json is written when an evaluation finishes; an interrupted one has only its signature.
-    meta = {**meta, "sampling": json.loads(signature.read_text()).get("sampling", {})}
+    try:
+      meta = {**meta, "sampling": json.loads(signature.read_text()).get("sampling", {})}
+    except json.JSONDecodeError as e:
+      raise CompareError(f"{signature}: not JSON ({e}); rerun experiments.evaluate to rewrite it.") from e
   return records, meta
 
 

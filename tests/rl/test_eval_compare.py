@@ -101,6 +101,9 @@ def test_interrupted_runs_compare_by_their_signature_and_torn_lines(tmp_path):
   (a / "results.jsonl.signature.json").write_text(json.dumps({"sampling": dict(sampling, temperature=1.0)}))
   with pytest.raises(CompareError, match="temperature: 0.0 vs 1.0"):
     compare_dirs(b, a)
+  (a / "results.jsonl.signature.json").write_text("{")
+  with pytest.raises(CompareError, match="signature.json: not JSON"):
+    compare_dirs(b, a)
   (a / "results.jsonl.signature.json").unlink()
   with pytest.raises(CompareError, match="the after run records no sampling settings"):
     compare_dirs(b, a)
