@@ -51,3 +51,9 @@ def test_best_peak_flops_and_sizes():
       common.matmul_sizes(bad)
   with pytest.raises(ValueError, match="sizes is empty"):
     common.best_peak_flops([], reps=2)
+
+
+def test_report_cpu_prints_the_identity_it_returns(capsys):
+  got = common.report_cpu()  # tests run on the CPU backend
+  assert got == common.cpu_identity()
+  assert capsys.readouterr().out == (common.describe_cpu(got) + "\n" if got else "")

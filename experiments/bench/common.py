@@ -58,6 +58,15 @@ def describe_cpu(identity: dict) -> str:
           f"{identity['model']}), {identity['cores']} cores, flags {' '.join(identity['peak_flags']) or '-'}")
 
 
+def report_cpu() -> dict:
+  """Prints `describe_cpu` of this machine when the benchmark runs on the CPU backend; returns the
+  identity for the benchmark's JSON ({} on another backend or off Linux)."""
+  cpu = cpu_identity() if jax.default_backend() == "cpu" else {}
+  if cpu:
+    print(describe_cpu(cpu))
+  return cpu
+
+
 def compiled_peak_bytes(compiled) -> int:
   """Planned device bytes of a compiled program: temporaries + arguments + outputs."""
   m = compiled.memory_analysis()

@@ -38,7 +38,7 @@ import numpy as np
 from absl import app, flags
 
 from configs import serve
-from experiments.bench.common import cpu_identity, describe_cpu
+from experiments.bench.common import report_cpu
 from serving.build import build_engine
 from serving.engine import Engine, Request
 from serving.types import SamplingParams
@@ -142,9 +142,7 @@ def main(argv) -> None:
                      "fraction": rate / roof, "mib_per_step": need["total"] / 2**20})
     finally:
       engine.stop()
-  cpu = cpu_identity() if jax.default_backend() == "cpu" else {}
-  if cpu:
-    print(describe_cpu(cpu))
+  cpu = report_cpu()
   print(f"model {config.serving.model_name} (random weights), compute {held.cfg.dtype}, prompt {prompt}, "
         f"{new} new tokens; read bandwidth {bw / 1e9:.1f} GB/s")
   print(f"{'engine':>14} {'batch':>5} {'tok/s':>8} {'roofline':>9} {'of roof':>8} {'MiB/step':>9}")

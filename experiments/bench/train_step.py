@@ -101,11 +101,9 @@ def run(a: argparse.Namespace) -> dict:
   sizes = [1024] if a.quick else a.peak_n
   peak, peak_n = common.best_peak_flops(sizes, max(a.reps, 10))
   peak_f32, _ = common.best_peak_flops(sizes, max(a.reps, 10), dtype="float32")
-  cpu = common.cpu_identity() if jax.default_backend() == "cpu" else {}
   print(f"train step: config small, batch {b} x seq {t} = {b * t} tokens, backend "
         f"{jax.default_backend()} ({jax.devices()[0].device_kind}), reps {a.reps}")
-  if cpu:
-    print(common.describe_cpu(cpu))
+  cpu = common.report_cpu()
   print(f"peak (bf16 x bf16 -> f32 matmul, best of n={sizes} at n={peak_n}, measured here): "
         f"{peak / 1e9:.1f} GFLOP/s; "
         f"f32 {peak_f32 / 1e9:.1f} (bf16/f32 {peak / peak_f32:.2f}: ~2 on AVX512-BF16 vector units, "

@@ -44,7 +44,7 @@ import optax
 from flax import nnx
 
 from configs import horizon
-from experiments.bench.common import best_peak_flops, cpu_identity, describe_cpu, matmul_sizes, median_seconds
+from experiments.bench.common import best_peak_flops, matmul_sizes, median_seconds, report_cpu
 from experiments.bench.train_step import _batch
 from model import flops
 from model.config import ModelConfig
@@ -164,9 +164,7 @@ def run(a: argparse.Namespace) -> dict:
                "ms": 1e3 * (step - sgd_step), "gflops": None})
   rows.append({"part": "rest (SGD step - parts)", "layers": None, "ms_each": None,
                "ms": 1e3 * sgd_step - sum(r["ms"] for r in rows[:-1]), "gflops": None})
-  cpu = cpu_identity() if jax.default_backend() == "cpu" else {}
-  if cpu:
-    print(describe_cpu(cpu))
+  cpu = report_cpu()
   print(f"config {variant}, {b} x {t} tokens, remat none, "
         f"backend {jax.default_backend()}; peak (bf16 x bf16 -> f32 matmul, measured here) "
         f"{peak / 1e9:.1f} GFLOP/s; train step "
