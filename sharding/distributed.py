@@ -19,6 +19,7 @@ import os
 from typing import Mapping, Sequence
 
 import jax
+import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
 
@@ -94,3 +95,19 @@ def initialize(mode: str = "auto", **flags) -> bool:
   logging.info("jax.distributed: process %d of %d, %d local / %d global devices",
                jax.process_index(), jax.process_count(), jax.local_device_count(), jax.device_count())
   return True
+
+
+def allgather_bytes(data: bytes) -> list[bytes]:
+  """Every process's `data`, in process order; all processes must call it.
+
+  Byte strings of any (differing) lengths: the sizes are gathered first and each string is
+  padded to the longest. One process: [data].
+  """
+  if jax.process_count() == 1:
+    return [data]
+  buf = np.frombuffer(data, np.uint8)
+  sizes = np.asarray(multihost_utils.process_allgather(np.asarray([buf.size], np.int64)))
+  padded = np.zeros(int(sizes.max()), np.uint8)
+  padded[:buf.size] = buf
+  every = np.asarray(multihost_utils.process_allgather(padded))
+  return [every[p, :int(sizes[p, 0])].tobytes() for p in range(every.shape[0])]

@@ -173,3 +173,26 @@ def test_global_batch_builds_only_local_rows_once():
     np.testing.assert_array_equal(np.asarray(jax.device_get(batch[k])), v)
   assert batch["inputs"].sharding.spec[0] == ("data", "fsdp", "expert")
   np.testing.assert_array_equal(whole["targets"][:, :-1], whole["inputs"][:, 1:])
+
+
+_ALLGATHER = """
+import json, pickle, sys
+from sharding import distributed
+pid = int(sys.argv[1])
+distributed.initialize("auto", coordinator_address=sys.argv[2], num_processes=2, process_id=pid)
+mine = [b"", bytes(range(256)) * 3 + b"\\x00"][pid]  # lengths 0 and 769, zero bytes inside
+print(json.dumps([b.hex() for b in distributed.allgather_bytes(mine)]))
+"""
+
+
+def test_allgather_bytes_returns_every_process_string_in_order():
+  """The one exchange behind checkpoint data states and RL episodes: ragged lengths, raw bytes."""
+  address = f"127.0.0.1:{_free_port()}"
+  procs = [subprocess.Popen([sys.executable, "-c", _ALLGATHER, str(i), address], cwd=ROOT, env=_multi_env(),
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]
+  want = [b"", bytes(range(256)) * 3 + b"\x00"]
+  for p in procs:
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err[-3000:]
+    assert [bytes.fromhex(h) for h in json.loads(out.strip().splitlines()[-1])] == want
+  assert distributed.allgather_bytes(b"one process") == [b"one process"]

@@ -46,6 +46,7 @@ from etils import epath
 from flax import nnx
 
 from model.decoder import abstract_model
+from sharding import distributed
 from sharding import rules as rules_lib
 
 FORMAT_VERSION = 1
@@ -254,15 +255,7 @@ def rng_from_json(obj: dict | None) -> jax.Array | None:
 
 def _gather_json(obj: Any) -> list[Any]:
   """Every process's `obj` (JSON-safe), in process order; all processes must call it."""
-  if jax.process_count() == 1:
-    return [obj]
-  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-  data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
-  sizes = np.asarray(multihost_utils.process_allgather(np.asarray([data.size], np.int32)))
-  padded = np.zeros(int(sizes.max()), np.uint8)
-  padded[:data.size] = data
-  every = np.asarray(multihost_utils.process_allgather(padded))
-  return [json.loads(every[p, :int(sizes[p, 0])].tobytes()) for p in range(every.shape[0])]
+  return [json.loads(b) for b in distributed.allgather_bytes(json.dumps(obj).encode())]
 
 
 def _make_meta(step: int, data_state: Any, rng: Any, config: Any) -> dict:

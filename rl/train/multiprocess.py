@@ -24,6 +24,8 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
+from sharding import distributed
+
 
 def my_groups(groups: int, process: int | None = None, processes: int | None = None) -> list[int]:
   """The group indices a process plays: every processes-th one, starting at its index."""
@@ -40,12 +42,8 @@ def gather_objects(objs: Sequence[Any]) -> list[list[Any]]:
   # (sharding/distributed.py) first: gloo gives up on building a new communicator, as the
   # all-gathers below may need, when its members arrive more than 30 s apart.
   multihost_utils.sync_global_devices("rl_gather_objects")
-  data = np.frombuffer(pickle.dumps(list(objs), protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
-  sizes = np.asarray(multihost_utils.process_allgather(np.asarray([data.size], np.int64)))
-  padded = np.zeros(int(sizes.max()), np.uint8)
-  padded[:data.size] = data
-  every = np.asarray(multihost_utils.process_allgather(padded))
-  return [pickle.loads(every[p, :int(sizes[p, 0])].tobytes()) for p in range(every.shape[0])]
+  every = distributed.allgather_bytes(pickle.dumps(list(objs), protocol=pickle.HIGHEST_PROTOCOL))
+  return [pickle.loads(b) for b in every]
 
 
 def in_job_order(per_process: Sequence[Sequence[Any]], groups: int, group_size: int) -> list[Any]:
