@@ -147,9 +147,11 @@ def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation | leaf_group
       optax.clip_by_global_norm(tc.grad_clip) if tc.grad_clip > 0 else optax.identity(),
       optax.adamw(learning_rate_schedule(tc), b1=tc.b1, b2=tc.b2, eps=tc.eps,
                   weight_decay=tc.weight_decay, mask=mask))
+  # optax applies an update anyway after this many non-finite ones in a row: in effect never.
+  never_apply = 1 << 30
   if n:
-    return leaf_groups.grouped_apply_if_finite(inner, n, max_consecutive_errors=1 << 30)
-  return leaf_groups.apply_if_finite(inner, max_consecutive_errors=1 << 30)
+    return leaf_groups.grouped_apply_if_finite(inner, n, max_consecutive_errors=never_apply)
+  return leaf_groups.apply_if_finite(inner, max_consecutive_errors=never_apply)
 
 
 def apply_update(model: nnx.Module, optimizer: nnx.Optimizer, grads: Any) -> None:
