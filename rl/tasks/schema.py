@@ -16,7 +16,10 @@ and per domain:
   code      files {relative path: content}, test_command: str (bash -c in the repository
             root; reward 1 iff it exits 0), hidden_files {path: content} (copied in over the
             agent's work at grading only; optional, default {}), timeout: optional seconds
-            (default 120)
+            (default 120), pass_marker: optional string that only the hidden files hold and
+            the hidden tests print when all of them pass; given, reward 1 also needs it in
+            the command's stdout (its first 64 KiB), so ending the process early with exit
+            code 0 (`os._exit(0)` on import) does not pass
   terminal  files {path: content} (the initial working directory), check: {files: {path:
             exact content}, absent: [paths], command: shell command that must exit 0}, at
             least one of the three
@@ -59,7 +62,7 @@ SOLID_PRIMITIVES = ("box", "cylinder", "sphere")
 _COMMON = ("id", "domain", "prompt", "max_turns", "tier", "oracle", "meta")
 _DOMAIN_FIELDS = {
   "math": ("answer",),
-  "code": ("files", "test_command", "hidden_files", "timeout"),
+  "code": ("files", "test_command", "hidden_files", "timeout", "pass_marker"),
   "terminal": ("files", "check"),
   "web": ("answer", "pages", "corpus"),
   "docqa": ("document", "answer", "tolerance"),
@@ -143,7 +146,7 @@ def _is_number(v: Any) -> bool:
   return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def _string(obj: Mapping, key: str, where: str, *, nonempty: bool = False) -> str:
+def _string(obj: Mapping, key: str, where: str, *, nonempty: bool = False, command: bool = False) -> str:
   v = obj[key]
   _need(
     isinstance(v, str) and (bool(v.strip()) or not nonempty),
@@ -152,7 +155,20 @@ def _string(obj: Mapping, key: str, where: str, *, nonempty: bool = False) -> st
     "a non-empty string" if nonempty else "a string",
     v,
   )
+  _encodable(v, where, key)
+  if command and "\x00" in v:
+    raise TaskError(where, key, "contains a NUL byte, which no shell command line can hold; remove it")
   return v
+
+
+def _encodable(v: str, where: str, field: str) -> None:
+  """Refuses a string that cannot be written as UTF-8 (a lone surrogate from a JSON `\\ud800`
+  escape): it would pass here and fail when the task is set up, written out or tokenized."""
+  try:
+    v.encode("utf-8")
+  except UnicodeEncodeError as e:
+    raise TaskError(where, field, f"holds {v[e.start:e.end]!r} at character {e.start}, which is not valid "
+                    "Unicode text (a lone surrogate); write the character itself or drop it") from None
 
 
 def _answer(obj: Mapping, where: str) -> str | int | float:
@@ -164,12 +180,15 @@ def _answer(obj: Mapping, where: str) -> str | int | float:
     "a non-empty string or a finite number",
     v,
   )
+  if isinstance(v, str):
+    _encodable(v, where, "answer")
   return v
 
 
 def check_relative_path(path: Any, where: str, field: str) -> str:
   """A path inside the task directory: relative, normalised, no '..', no empty name."""
   _need(isinstance(path, str) and bool(path), where, field, "a non-empty path string", path)
+  _encodable(path, where, field)
   norm = posixpath.normpath(path)
   if path.startswith("/") or norm == "." or norm.startswith("..") or "\\" in path or "\x00" in path:
     raise TaskError(
@@ -192,6 +211,7 @@ def _files(obj: Mapping, key: str, where: str, *, required: bool = True) -> dict
   for path, content in v.items():
     norm = check_relative_path(path, where, f"{key}")
     _need(isinstance(content, str), where, f"{key}[{path!r}]", "file content as a string", content)
+    _encodable(content, where, f"{key}[{path!r}]")
     if norm in out:
       raise TaskError(where, f"{key}[{path!r}]", f"is the same file as {given[norm]!r} ({norm!r}); "
                       "give each file once")
@@ -275,7 +295,7 @@ def _check(obj: Mapping, where: str) -> None:
   for p in absent:
     check_relative_path(p, where, "check.absent")
   if "command" in terminal_check:
-    _string(terminal_check, "command", where, nonempty=True)
+    _string(terminal_check, "command", where, nonempty=True, command=True)
 
 
 def _pages(obj: Mapping, where: str) -> list[dict[str, str]]:
@@ -302,7 +322,7 @@ def _pages(obj: Mapping, where: str) -> list[dict[str, str]]:
 
 def _domain_fields(obj: Mapping, domain: str, where: str) -> dict[str, Any]:
   for key in _DOMAIN_FIELDS[domain]:
-    optional = key in ("hidden_files", "timeout", "tolerance", "pages", "corpus")
+    optional = key in ("hidden_files", "timeout", "tolerance", "pages", "corpus", "pass_marker")
     if key not in obj and not optional:
       raise TaskError(where, key, f"is required for domain {domain!r}")
   if domain == "math":
@@ -310,12 +330,16 @@ def _domain_fields(obj: Mapping, domain: str, where: str) -> dict[str, Any]:
   if domain == "code":
     timeout = obj.get("timeout", DEFAULT_CODE_TIMEOUT_S)
     _need(_is_number(timeout) and timeout > 0, where, "timeout", "seconds > 0", timeout)
-    return {
+    out = {
       "files": _files(obj, "files", where),
-      "test_command": _string(obj, "test_command", where, nonempty=True),
+      "test_command": _string(obj, "test_command", where, nonempty=True, command=True),
       "hidden_files": _files(obj, "hidden_files", where, required=False),
       "timeout": float(timeout),
+      "pass_marker": None,
     }
+    if "pass_marker" in obj:
+      out["pass_marker"] = _pass_marker(obj, out, where)
+    return out
   if domain == "terminal":
     _check(obj, where)
     check = dict(obj["check"])
@@ -348,6 +372,20 @@ def _domain_fields(obj: Mapping, domain: str, where: str) -> dict[str, Any]:
     }
   validate_solid(obj["target"], where)
   return {"target": obj["target"]}
+
+
+def _pass_marker(obj: Mapping, code: Mapping[str, Any], where: str) -> str:
+  """A marker the hidden tests print, unseen by the agent (else it proves nothing)."""
+  marker = _string(obj, "pass_marker", where, nonempty=True)
+  if not any(marker in text for text in code["hidden_files"].values()):
+    raise TaskError(where, "pass_marker", "appears in no hidden file; the hidden tests must print it when "
+                    "they all pass (else no solution can pass)")
+  seen = ["prompt"] if marker in obj["prompt"] else []
+  seen += [p for p, text in code["files"].items() if marker in text]
+  if seen:
+    raise TaskError(where, "pass_marker", f"appears in {seen[0]!r}, which the agent can read and print; "
+                    "keep it in the hidden files only")
+  return marker
 
 
 def _oracle(v: Any, where: str) -> tuple[dict[str, Any], ...]:

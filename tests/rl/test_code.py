@@ -8,7 +8,7 @@ from rl.envs.base import EnvContext, make_env, replay
 from rl.sandbox import Sandbox, SandboxUnavailable
 from rl.tasks.generators import code as gen
 from rl.tasks.generators import generate
-from rl.tasks.schema import parse_task
+from rl.tasks.schema import TaskError, parse_task
 from serving.types import ToolCall
 from tests.rl.replay import replay_scores
 
@@ -104,3 +104,46 @@ def test_a_hanging_solution_times_out(ctx):
     assert grade.reward == 0.0 and grade.details["timed_out"]
   finally:
     env.close()
+
+
+def _write_then_done(path: str, content: str) -> list[dict]:
+  return [{"thinking": "", "content": "", "tool_calls": [
+            {"name": "write_file", "arguments": {"path": path, "content": content}}]},
+          {"thinking": "", "content": "done", "tool_calls": []}]
+
+
+@pytest.mark.parametrize("level,path,content,exit_code", [
+    (2, "solution.py", "import os\nos._exit(0)\n", 0),  # the process ends before any test runs
+    (2, "solution.py", "import sys\nsys.exit(0)\n", 0),  # SystemExit from the test's import
+    (3, "unittest.py", "import sys\nsys.exit(0)\n", 0),  # shadows the standard library's unittest
+    (3, "tests/__init__.py", "import os\nos._exit(0)\n", 1),  # restored at grading: the tests run, fail
+])
+def test_exiting_early_with_code_0_does_not_pass(level, path, content, exit_code, ctx):
+  """Each of these scored 1 when the grade read the exit code alone."""
+  task = generate("code", split="train", difficulty=level, n=1, seed=0)[0]
+  assert task["pass_marker"] and not any(task["pass_marker"] in t for t in task["files"].values())
+  grade = replay(task, ctx, _write_then_done(path, content))
+  assert grade.reward == 0.0 and grade.details["exit_code"] == exit_code, grade.details
+  assert ("pass marker" in grade.details.get("error", "")) == (exit_code == 0)
+  assert replay(task, ctx, [dict(t) for t in task.oracle]).reward == 1.0  # the real fix still passes
+
+
+def test_pass_marker_must_be_hidden_and_printed():
+  task = generate("code", split="train", difficulty=0, n=1, seed=0)[0].to_json()
+  marker = task["pass_marker"]
+  with pytest.raises(TaskError, match="pass_marker' appears in no hidden file"):
+    parse_task(task | {"pass_marker": "NOT-PRINTED"})
+  with pytest.raises(TaskError, match="pass_marker' appears in 'prompt'"):
+    parse_task(task | {"prompt": task["prompt"] + marker})
+  with pytest.raises(TaskError, match="appears in 'solution.py'"):
+    parse_task(task | {"files": task["files"] | {"solution.py": f"# {marker}\n"}})
+  legacy = {k: v for k, v in task.items() if k != "pass_marker"}  # task files without it: exit code only
+  assert parse_task(legacy)["pass_marker"] is None
+
+
+def test_a_hidden_file_whose_directory_became_a_file_is_restored(ctx):
+  task = generate("code", split="train", difficulty=3, n=1, seed=0)[0]
+  oracle = [dict(t) for t in task.oracle]
+  wreck = {"name": "shell", "arguments": {"command": "rm -rf tests && touch tests"}}
+  first = dict(oracle[0], tool_calls=[wreck])
+  assert replay(task, ctx, [first] + oracle[1:]).reward == 1.0  # grading puts tests/ back whole

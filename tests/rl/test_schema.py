@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -126,6 +127,18 @@ BAD = [
     "oracle[0]",
     "only the last",
   ),
+  # These passed the schema, then failed at set-up ("surrogates not allowed") or grading
+  # ("embedded null byte").
+  ({"id": "x", "domain": "code", "prompt": "p", "files": {"a": "\ud800"}, "test_command": "t"}, "files['a']",
+   "lone surrogate"),
+  ({"id": "x", "domain": "code", "prompt": "p", "files": {}, "test_command": "test -f a\x00"}, "test_command",
+   "NUL"),
+  ({"id": "x", "domain": "terminal", "prompt": "p", "files": {}, "check": {"command": "true\x00"}}, "command",
+   "NUL"),
+  ({"id": "x", "domain": "math", "prompt": "p\udfff", "answer": "1"}, "prompt", "lone surrogate"),
+  ({"id": "x", "domain": "math", "prompt": "p", "answer": "\ud800"}, "answer", "lone surrogate"),
+  ({"id": "x", "domain": "terminal", "prompt": "p", "files": {"\ud800": ""}, "check": {"absent": ["a"]}},
+   "files", "lone surrogate"),
 ]
 
 
@@ -164,6 +177,9 @@ def test_jsonl_file_errors_name_line(tmp_path):
     ("<answer>1</answer> then <answer> 2 </answer>", " 2 "),
     ("no tags here", "no tags here"),
     ("", ""),
+    ("<answer>a<answer>b</answer>", "a<answer>b"),  # paired as the non-greedy regex paired them
+    ("<answer>x</answer></answer>", "x"),
+    ("<answer>1</answer><answer>unclosed", "1"),
   ],
 )
 def test_extract_answer(text, expected):
@@ -193,7 +209,26 @@ def test_extract_answer(text, expected):
     ("10000000001", 10**10, answers.MATH_REL_TOL, False),
     ("12,345,678,901", "12345678901", answers.MATH_REL_TOL, True),
     ("12345678901.0", 12345678901, answers.MATH_REL_TOL, True),
+    ("12 34", 1234, answers.MATH_REL_TOL, False),  # spaces inside a number are not separators
+    ("1 2", "12", answers.MATH_REL_TOL, False),
+    ("$ 12", 12, answers.MATH_REL_TOL, True),
+    ("45 %", "45", answers.MATH_REL_TOL, True),
+    ("- 3", -3, answers.MATH_REL_TOL, True),
+    ("3 / 4", 0.75, answers.MATH_REL_TOL, True),
+    # Thousands of digits: int() refused them (ValueError) and the episode's grade crashed.
+    ("1" * 5000 + "/1", 5, answers.MATH_REL_TOL, False),
+    ("0" * 4400 + "1", 1, answers.MATH_REL_TOL, False),
+    ("0" + ",000" * 1500, 0, answers.MATH_REL_TOL, False),
   ],
 )
 def test_answers_match(given, expected, tol, ok):
   assert answers.answers_match(given, expected, tol) is ok
+
+
+def test_answer_extraction_and_matching_stay_fast_on_long_texts():
+  """Each of these took 19-21 s (quadratic regex scans) before."""
+  start = time.monotonic()
+  assert answers.extract_answer("<answer>" * 20_000) == "<answer>" * 20_000
+  assert not answers.answers_match("1" * 20_000 + "x", 1)
+  assert not answers.answers_match("." * 100_000, "a")
+  assert time.monotonic() - start < 2.0

@@ -11,8 +11,9 @@ instance belongs to one split (`common.split_of`). Levels:
   3  a three-module package, two bugs in two modules, unittest tests
 
 The task's `files` are the buggy repository and a visible test; `hidden_files` restore the
-tests at grading (an agent cannot pass by editing them); `test_command` runs plain python3
-(Debian's python3 has no pytest).
+tests at grading (an agent cannot pass by editing them) and print the task's `pass_marker` when
+every test passed, which the grader requires besides exit code 0; `test_command` runs plain
+python3 (Debian's python3 has no pytest).
 
 Mutants are (offset, old, new) edits of a canonical solution: a flipped operator (`<`/`<=`,
 `+`/`-`, `==`/`!=`, `and`/`or`, ...), an off-by-one integer, a swapped boolean, `min`/`max`,
@@ -29,6 +30,7 @@ from __future__ import annotations
 import ast
 import functools
 import gzip
+import hashlib
 import io
 import json
 import random
@@ -206,10 +208,23 @@ def _split_problems(split: str) -> list[str]:
                 if v and common.split_of((DOMAIN, "humaneval", k)) == split)
 
 
-def _visible_test(problem: dict[str, Any]) -> str:
+def _visible_test(problem: dict[str, Any], marker: str | None = None) -> str:
+  """The problem's `check` as a script; the hidden copy (`marker` given) prints it at the end."""
   return (f"from solution import *  # noqa: F403\n\n{problem['test'].strip()}\n\n\n"
           f"if __name__ == \"__main__\":\n    check({problem['entry_point']})\n"
-          "    print(\"all tests passed\")\n")
+          "    print(\"all tests passed\")\n" + (f"    print({marker!r})\n" if marker else ""))
+
+
+def pass_marker(files: dict[str, str]) -> str:
+  """The string the hidden tests print when every test passed (the task's `pass_marker`).
+
+  The grader needs it in the test command's output besides exit code 0, so a solution that ends
+  the process early (`os._exit(0)` or `sys.exit(0)` on import, a planted `tests/__init__.py`)
+  does not pass. It is a digest of the visible repository: fixed per task, never in a file or
+  prompt the agent sees.
+  """
+  digest = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
+  return f"HORIZON-TESTS-PASSED-{digest}"
 
 
 def _humaneval_task(rng: random.Random, split: str, difficulty: int) -> dict[str, Any]:
@@ -239,10 +254,10 @@ def _humaneval_task(rng: random.Random, split: str, difficulty: int) -> dict[str
                         calls=[("write_file", {"path": "solution.py", "content": fixed})]
                         + (test_call if difficulty >= 1 else [])),
             common.turn(content=f"Fixed line {line} of solution.py: `{mutant[2]}` -> `{mutant[1]}`.")]
-  test = _visible_test(problem)
-  return {"prompt": prompt, "files": {"solution.py": buggy, _TEST_FILE: test},
-          "hidden_files": {_TEST_FILE: test},
-          "test_command": run, "timeout": 60, "oracle": oracle,
+  files = {"solution.py": buggy, _TEST_FILE: _visible_test(problem)}
+  marker = pass_marker(files)
+  return {"prompt": prompt, "files": files, "hidden_files": {_TEST_FILE: _visible_test(problem, marker)},
+          "pass_marker": marker, "test_command": run, "timeout": 60, "oracle": oracle,
           "meta": {"source": pid, "mutant": list(mutant), "wrong_fix": {"solution.py": wrong}}}
 
 
@@ -342,10 +357,14 @@ def _package_task(rng: random.Random, split: str) -> dict[str, Any]:
       tests.append(f"    def test_{fn[0]}_{len(tests)}(self):\n"
                    f"        self.assertEqual({mod}.{fn[0]}({', '.join(map(repr, args))}), {want})\n")
   imports = "".join(f"from {pkg} import {m}\n" for m in sorted(mods))
-  test = (f"import unittest\n\n{imports}\n\nclass Test{pkg.title()}(unittest.TestCase):\n" + "\n".join(tests)
-          + "\n\nif __name__ == \"__main__\":\n    unittest.main()\n")
-  test_path, run = f"tests/test_{pkg}.py", f"python3 -m unittest tests.test_{pkg}"
-  files = {f"{pkg}/__init__.py": "", "tests/__init__.py": "", test_path: test} | bad
+  test = f"import unittest\n\n{imports}\n\nclass Test{pkg.title()}(unittest.TestCase):\n" + "\n".join(tests)
+  test_path, run = f"tests/test_{pkg}.py", f"python3 -m tests.test_{pkg}"
+  visible = test + "\n\nif __name__ == \"__main__\":\n    unittest.main()\n"
+  files = {f"{pkg}/__init__.py": "", "tests/__init__.py": "", test_path: visible} | bad
+  marker = pass_marker(files)
+  hidden = (test + "\n\nif __name__ == \"__main__\":\n    result = unittest.main(exit=False).result\n"
+            f"    if result.wasSuccessful():\n        print({marker!r})\n"
+            "    raise SystemExit(0 if result.wasSuccessful() else 1)\n")
   oracle = [common.turn("First I run the tests to see what fails.", calls=[("shell", {"command": run})]),
             common.turn("Two modules are involved; I read both.",
                         calls=[("read_file", {"path": p}) for p, _, _ in fixes]),
@@ -355,8 +374,8 @@ def _package_task(rng: random.Random, split: str) -> dict[str, Any]:
             common.turn(content="Fixed: " + "; ".join(f"`{new}` -> `{old}` in {p}" for p, old, new in fixes))]
   prompt = (f"The package `{pkg}` has bugs: `{run}` fails. Fix the package code so all tests pass "
             "(do not change the tests).")
-  return {"prompt": prompt, "files": files, "hidden_files": {test_path: test}, "test_command": run,
-          "timeout": 60, "oracle": oracle,
+  return {"prompt": prompt, "files": files, "hidden_files": {"tests/__init__.py": "", test_path: hidden},
+          "pass_marker": marker, "test_command": run, "timeout": 60, "oracle": oracle,
           "meta": {"source": f"package:{pkg}", "wrong_fix": {fixes[0][0]: good[fixes[0][0]]}}}
 
 
