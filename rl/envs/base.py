@@ -157,9 +157,14 @@ class Environment(abc.ABC):
       arguments = json.loads(call.arguments) if isinstance(call.arguments, str) else call.arguments
     except json.JSONDecodeError as e:
       return ToolResult(f"Error: the arguments of {call.name} are not valid JSON ({e.msg}).", error=True)
+    except RecursionError:
+      return ToolResult(f"Error: the arguments of {call.name} are nested too deeply to read.", error=True)
     if not isinstance(arguments, dict):
       return ToolResult(f"Error: the arguments of {call.name} must be a JSON object.", error=True)
-    problems = validate_arguments(tools[call.name].parameters, arguments)
+    try:
+      problems = validate_arguments(tools[call.name].parameters, arguments)
+    except RecursionError:
+      return ToolResult(f"Error: the arguments of {call.name} are nested too deeply to check.", error=True)
     if problems:
       return ToolResult(f"Error: bad arguments for {call.name}: " + "; ".join(problems[:5]), error=True)
     try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import posixpath
 import shutil
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -84,7 +85,10 @@ def read_text(root: Path, path: str) -> str:
     raise ToolError(f"no file {path!r} in the task directory; list the files with shell('ls -R') first")
   if target.is_dir():
     raise ToolError(f"{path!r} is a directory; read a file in it (shell('ls {path}') lists them)")
-  with open(os.path.realpath(target), "rb") as f:
+  real = os.path.realpath(target)
+  if not stat.S_ISREG(os.stat(real).st_mode):  # a FIFO would block this thread for good
+    raise ToolError(f"{path!r} is not a regular file (a pipe, socket or device); read it with shell")
+  with open(real, "rb") as f:
     data = f.read(MAX_READ_BYTES + 1)
   text = data[:MAX_READ_BYTES].decode("utf-8", "replace")
   if len(data) > MAX_READ_BYTES:
@@ -114,13 +118,28 @@ def write_tree(root: Path, files: Mapping[str, str]) -> None:
     target = resolve(root, path)
     if target.is_dir() and not target.is_symlink():
       shutil.rmtree(target)
-    _write_bytes(root, target, content.encode("utf-8"))
+    _write_bytes(root, target, content.encode("utf-8"), replace_parents=True)
 
 
-def _write_bytes(root: Path, target: Path, data: bytes) -> None:
-  target.parent.mkdir(parents=True, exist_ok=True)  # resolve() checked every existing component
-  if target.is_symlink():
-    target.unlink()  # replace the link itself, never its target
+def _make_parents(root: Path, target: Path, replace: bool) -> None:
+  """Creates target's missing parent directories; a parent that is a file (or pipe, ...) is
+  removed when `replace`, else refused. resolve() has checked that no component links out."""
+  root = root.resolve()  # as resolve() built target
+  current = root
+  for part in target.relative_to(root).parts[:-1]:
+    current = current / part
+    if os.path.lexists(current) and not current.is_dir():
+      if not replace:
+        raise ToolError(f"{str(current.relative_to(root))!r} is a file, not a directory; write somewhere "
+                        "else or remove it first with shell")
+      current.unlink()
+  target.parent.mkdir(parents=True, exist_ok=True)
+
+
+def _write_bytes(root: Path, target: Path, data: bytes, replace_parents: bool = False) -> None:
+  _make_parents(root, target, replace_parents)
+  if os.path.lexists(target) and not stat.S_ISREG(os.lstat(target).st_mode):
+    target.unlink()  # a link is replaced itself, never its target; a FIFO would block the open
   fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
   with os.fdopen(fd, "wb") as f:
     f.write(data)

@@ -65,6 +65,10 @@ class Measure:
     return {"volume": round(self.volume, digits) + 0.0, "bounding_box": box, "components": self.components}
 
 
+_TOO_DEEP = ("{field} is nested too deeply to read; a solid is a few primitives joined by union, "
+             "difference or intersection, such as {{\"union\": [{{\"box\": [1, 1, 1]}}, {{\"sphere\": 1}}]}}")
+
+
 def parse_solid(value: Any, field: str = "solid") -> dict[str, Any]:
   """A validated solid from a JSON object or a string holding one.
 
@@ -79,8 +83,12 @@ def parse_solid(value: Any, field: str = "solid") -> dict[str, Any]:
     except json.JSONDecodeError as e:
       raise SolidError(f"{field} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); "
                        f"expected a solid such as {{\"box\": [1, 2, 3]}}") from None
+    except RecursionError:
+      raise SolidError(_TOO_DEEP.format(field=field)) from None
   try:
     validate_solid(value, field, field)
+  except RecursionError:
+    raise SolidError(_TOO_DEEP.format(field=field)) from None
   except TaskError as e:
     # TaskError reads "<where>: field '<path>' <message>"; keep the path and the message.
     message = str(e).removeprefix(f"{field}: field '{e.field}' ")

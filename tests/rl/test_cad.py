@@ -158,7 +158,8 @@ def test_grade_is_iou_with_reasons_for_bad_answers(ctx):
   assert last.reward == 1.0
   for text, reason in [("a cube of side 2", "not valid JSON"), ("<answer>{\"box\": [2, 2]}</answer>",
                                                                 "answer.box"),
-                       ("<answer>[1, 2, 3]</answer>", "solid object")]:
+                       ("<answer>[1, 2, 3]</answer>", "solid object"),
+                       ("<answer>" + "[" * 2000 + "]" * 2000 + "</answer>", "nested too deeply")]:
     g = env.grade(text)
     assert g.reward == 0.0 and not g.success and reason in g.details["error"], (text, g.details)
 

@@ -89,5 +89,16 @@ def test_tool_errors_come_back_as_results(ctx):
     assert "hi" in call("shell", {"command": "cat sub/dir/new.txt"}).content
     assert call("read_file", {"path": "sub"}).error
     assert call("read_file", {"path": "missing.txt"}).error
+    # A FIFO blocked the host thread forever on open (reading or writing it).
+    assert not call("shell", {"command": "mkfifo pipe"}).error
+    fifo = call("read_file", {"path": "pipe"})
+    assert fifo.error and "not a regular file" in fifo.content
+    assert not call("write_file", {"path": "pipe", "content": "now a file\n"}).error
+    assert call("read_file", {"path": "pipe"}).content == "now a file\n"
+    # A file where a parent directory should be is named, not an internal failure.
+    parent = call("write_file", {"path": "sub/dir/new.txt/x", "content": "x"})
+    assert parent.error and "'sub/dir/new.txt' is a file, not a directory" in parent.content
+    deep = call("shell", "[" * 100_000)  # the OpenAI client passes a server's arguments through
+    assert deep.error and "nested too deeply" in deep.content
   finally:
     env.close()
