@@ -20,6 +20,7 @@ import numpy as np
 from rl.agent.episode import Episode, TurnSpan
 from rl.agent.executor import Executor
 from rl.agent.policy import Policy, Sampling
+from rl.envs.base import Grade
 from rl.tasks.schema import Task
 from serving.types import Message, TextPart
 
@@ -131,7 +132,13 @@ async def run_episode(
     session = policy.session(task, messages, tools, tier, sampling)
     await _play(task, session, env, messages, ep, task.max_turns or config.default_max_turns)
     ep.messages = messages
-    grade = await env.grade(ep.final_text())
+    try:
+      grade = await env.grade(ep.final_text())
+    except Exception as e:  # a grader failure is this episode's, not the whole run's
+      # A greedy evaluation or a resumed RL step would replay the same episode and fail again,
+      # so raising here would stop the run for good; the episode scores 0 and says why.
+      _log.exception("grading task %s failed; the episode scores 0", task.id)
+      grade = Grade(0.0, False, {"error": f"grading failed: {type(e).__name__}: {e}", "grader_failed": True})
     ep.reward, ep.success, ep.grade = float(grade.reward), bool(grade.success), dict(grade.details)
     if session.token_level:
       ep.token_ids, ep.logprobs, ep.loss_mask = list(session.ids), list(session.logprobs), list(session.mask)

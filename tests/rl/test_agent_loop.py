@@ -36,6 +36,8 @@ class EchoEnv(Environment):
     return arguments["text"].upper()
 
   def grade(self, final_text):
+    if "crash" in final_text:
+      raise ValueError("the grader cannot read this answer")
     return Grade(float("done" in final_text), "done" in final_text, {"seen": final_text})
 
 
@@ -132,6 +134,17 @@ def test_policy_failure_ends_only_its_episode():
   eps = asyncio.run(run_episodes([(t, None, Sampling()) for t in tasks], policy, EchoExecutor()))
   assert eps[0].success and eps[0].end == "answer"
   assert eps[1].end == "error" and "endpoint down" in eps[1].error and not eps[1].success
+
+
+def test_grader_failure_scores_only_its_episode_0(caplog):
+  """An answer that crashed the grader (e.g. thousands of digits) ended the whole run before."""
+  tasks = [_task("good"), _task("crashes")]
+  turns = {"good": [_turn("<answer>done</answer>")], "crashes": [_turn("<answer>crash</answer>")]}
+  eps = asyncio.run(run_episodes([(t, None, Sampling()) for t in tasks], OraclePolicy(turns), EchoExecutor()))
+  assert eps[0].success and eps[0].reward == 1.0
+  assert eps[1].reward == 0.0 and not eps[1].success and eps[1].grade["grader_failed"]
+  assert "ValueError: the grader cannot read this answer" in eps[1].grade["error"]
+  assert "grading task crashes failed" in caplog.text  # logged with its traceback
 
 
 @pytest.fixture(scope="module")
