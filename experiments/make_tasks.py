@@ -8,6 +8,8 @@ Each task carries its oracle trajectory. Prints the count per domain; last line 
 """
 
 import json
+import os
+from pathlib import Path
 
 from absl import app, flags
 
@@ -21,8 +23,10 @@ _DIFFICULTY = flags.DEFINE_integer("difficulty", 0, "Level (capped at each domai
 _N = flags.DEFINE_integer("n", 100, "Tasks per domain.")
 _SEED = flags.DEFINE_integer("seed", 0, "Generator seed.")
 _OUT = flags.DEFINE_string("out", None, "Output JSONL path.", required=True)
-flags.register_validator("domain", lambda ds: all(d in DOMAINS for d in ds),
-                         f"--domain: each domain must be one of {', '.join(DOMAINS)}")
+flags.register_validator("domain", lambda ds: bool(ds) and sorted(set(ds) & set(DOMAINS)) == sorted(ds),
+                         f"--domain: one or more of {', '.join(DOMAINS)}, each once")
+flags.register_validator("n", lambda n: n >= 1, "--n: tasks per domain, an integer >= 1")
+flags.register_validator("difficulty", lambda d: d >= 0, "--difficulty: a level >= 0 (0 is the easiest)")
 
 
 def main(argv):
@@ -33,8 +37,16 @@ def main(argv):
     made = generators.generate(domain, split=_SPLIT.value, difficulty=level, n=_N.value, seed=_SEED.value)
     counts[domain] = {"n": len(made), "difficulty": level}
     tasks += made
-  write_tasks(tasks, _OUT.value)
-  load_tasks(_OUT.value)  # the file must read back under the public schema
+  # Written beside --out and read back under the public schema before it replaces --out, so a
+  # failure never leaves a half-written or invalid file where a good one was.
+  out = Path(_OUT.value)
+  tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+  try:
+    write_tasks(tasks, tmp)
+    load_tasks(tmp)
+    os.replace(tmp, out)
+  finally:
+    tmp.unlink(missing_ok=True)
   for domain, c in counts.items():
     print(f"{domain:<9} {c['n']:>6} tasks  difficulty {c['difficulty']}")
   print(json.dumps({"out": _OUT.value, "split": _SPLIT.value, "tasks": len(tasks), "domains": counts}))
