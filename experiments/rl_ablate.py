@@ -28,7 +28,13 @@ COLUMNS = ("success", "reward", "abs_dlogp", "rollout_kl", "tis_clip_frac", "cli
 
 
 def _value(text: str, current):
-  """'true' -> True, '3' -> 3, '1e-4' -> 1e-4, anything else the string; cast to the field's type."""
+  """'true' -> True, '3' -> 3, '1e-4' -> 1e-4, anything else the string; cast to the field's type.
+
+  A string field keeps the text as written (`rl.difficulty=1` is the string '1', as on the
+  launcher's command line).
+  """
+  if isinstance(current, str):
+    return text
   low = text.strip().lower()
   if low in ("true", "false"):
     value = low == "true"
@@ -78,21 +84,21 @@ def summarize(history: list[dict]) -> dict[str, float]:
   return out
 
 
-def main() -> None:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--workdir", required=True)
-  p.add_argument("--variants", default="grpo dr_grpo dapo gspo grpo+routing_replay=true",
-                 help="space-separated <algorithm>[+knob=value...]")
-  p.add_argument("--model", default="agent", help="configs/rl.py variant (agent | tiny | ...)")
-  p.add_argument("--steps", type=int, default=4)
-  p.add_argument("--init_checkpoint", default=None)
-  p.add_argument("--set", action="append", default=[], metavar="PATH=VALUE", help="for every variant")
-  args = p.parse_args()
+def build_runs(args: argparse.Namespace) -> dict[str, tuple]:
+  """{variant: (config, workdir)} for every variant, all checked before the first run starts.
+
+  A typo in the last variant, a repeated variant or a workdir left by an earlier ablation
+  failed only after the runs before it had finished, and printed no table.
+  """
   from configs import rl as rl_config
-  from rl.train.trainer import run
+  from rl.train.trainer import check_run_knobs
 
   specs = args.variants.split()
-  rows = {}
+  repeated = sorted({s for s in specs if specs.count(s) > 1})
+  if not specs or repeated:
+    raise SystemExit(f"--variants={args.variants!r}: give one or more variants, each once (repeated: "
+                     f"{repeated}).")
+  runs = {}
   for spec in specs:
     algorithm, knobs = parse_variant(spec)
     config = rl_config.get_config(f"{algorithm},{args.model}")
@@ -107,9 +113,31 @@ def main() -> None:
       apply(config, path, value)
     for path, value in knobs:
       apply(config, path, value)
+    check_run_knobs(config.rl)
     workdir = pathlib.Path(args.workdir) / re.sub(r"[^A-Za-z0-9_.=-]+", "_", spec)
     if workdir.exists():
       raise SystemExit(f"{workdir} exists: an ablation compares fresh runs; choose a new --workdir.")
+    if any(w == workdir for _, w in runs.values()):
+      raise SystemExit(f"variants {spec!r} and another both map to {workdir.name}; write them apart.")
+    runs[spec] = (config, workdir)
+  return runs
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--workdir", required=True)
+  p.add_argument("--variants", default="grpo dr_grpo dapo gspo grpo+routing_replay=true",
+                 help="space-separated <algorithm>[+knob=value...]")
+  p.add_argument("--model", default="agent", help="configs/rl.py variant (agent | tiny | ...)")
+  p.add_argument("--steps", type=int, default=4)
+  p.add_argument("--init_checkpoint", default=None)
+  p.add_argument("--set", action="append", default=[], metavar="PATH=VALUE", help="for every variant")
+  args = p.parse_args()
+  from rl.train.trainer import run
+
+  runs = build_runs(args)
+  rows = {}
+  for spec, (config, workdir) in runs.items():
     summary = run(config, str(workdir))
     rows[spec] = summarize(summary["history"])
     print(f"{spec}: {json.dumps(rows[spec])}", flush=True)

@@ -1,5 +1,6 @@
 """experiments.rl_ablate: variant and --set parsing (errors name the field), and a tiny run."""
 
+import argparse
 import json
 import subprocess
 import sys
@@ -28,6 +29,28 @@ def test_variant_and_set_parsing():
     rl_ablate.apply(config, "rl.eps_hihg", "0.3")
   with pytest.raises(ValueError, match="knob>=<value>"):
     rl_ablate.parse_variant("grpo+routing_replay")
+  rl_ablate.apply(config, "rl.difficulty", "1")  # a string knob keeps the text (was a TypeError)
+  assert config.rl.difficulty == "1"
+
+
+def test_every_variant_is_checked_before_the_first_run(tmp_path):
+  """These failed only after the variants before them had run (minutes each), with no table."""
+  def args(variants, **kw):
+    return argparse.Namespace(workdir=str(tmp_path), variants=variants, model="tiny", steps=2,
+                              init_checkpoint=None, set=kw.get("set", []))
+
+  runs = rl_ablate.build_runs(args("grpo dapo+eps_high=0.3"))
+  assert list(runs) == ["grpo", "dapo+eps_high=0.3"] and runs["dapo+eps_high=0.3"][0].rl.eps_high == 0.3
+  assert runs["grpo"][1] == tmp_path / "grpo"
+  with pytest.raises(ValueError, match="no 'eps_hihg'"):
+    rl_ablate.build_runs(args("grpo dapo dapo+eps_hihg=0.3"))
+  with pytest.raises(SystemExit, match="each once"):
+    rl_ablate.build_runs(args("grpo dapo grpo"))
+  with pytest.raises(ValueError, match="prompts_per_step"):
+    rl_ablate.build_runs(args("grpo dapo", set=["rl.prompts_per_step=0"]))
+  (tmp_path / "dapo").mkdir()
+  with pytest.raises(SystemExit, match="dapo exists"):
+    rl_ablate.build_runs(args("grpo dapo"))
 
 
 @pytest.mark.slow
