@@ -5,13 +5,15 @@ an interrupted run started again with the same `--results` file plays only what 
 The report (rl/eval/report.py) is computed from the file, not from memory, so a resumed run
 reports the whole evaluation. What decides an episode beyond its key (the policy, sampling,
 turn and token limits: the caller's `signature`) is kept beside the file, and a run whose
-signature differs refuses to resume rather than mix its episodes with the old ones.
+signature differs refuses to resume rather than mix its episodes with the old ones; each record
+also holds its task's content hash, so a task changed under the same id is refused too.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import json
 import os
 from collections.abc import Sequence
@@ -112,7 +114,10 @@ def evaluate(
   """
   jobs, keys = _jobs(tasks, tiers, samples, sampling, task_tier_wins)
   wanted = set(keys)
-  done = {r["key"] for r in read_results(results) if "key" in r}
+  hashes = {t.id: task_hash(t) for t in tasks}
+  recorded = read_results(results)
+  _check_tasks_unchanged(recorded, wanted, hashes, results)
+  done = {r["key"] for r in recorded if "key" in r}
   if signature is not None:
     check_signature(results, signature, resuming=bool(done))
   todo = [i for i, k in enumerate(keys) if k not in done]
@@ -127,6 +132,7 @@ def evaluate(
         "sample": int(keys[todo[j]].rsplit("|", 1)[1]),
         **episode.summary(),
         "tier": tier_name(episode.tier),
+        "task_hash": hashes[episode.task_id],
       }
       if transcripts:
         record["messages"] = [message_to_json(m) for m in episode.messages]
@@ -148,6 +154,29 @@ def evaluate(
     if r.get("key") in wanted:
       latest[r["key"]] = r
   return [latest[k] for k in keys if k in latest]
+
+
+def task_hash(task: Task) -> str:
+  """A digest of everything about a task that can decide its episode (all but `meta`)."""
+  content = {k: v for k, v in task.to_json().items() if k != "meta"}
+  return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _check_tasks_unchanged(records: list[dict[str, Any]], wanted: set[str], hashes: dict[str, str],
+                           results: str | os.PathLike) -> None:
+  """Refuses to resume over a recorded episode of a task whose content has changed since.
+
+  A task file regenerated or edited under the same ids (another answer, other files) would
+  otherwise keep its old episodes and report them as this evaluation's. Records from before
+  task hashes were written are accepted.
+  """
+  for r in records:
+    if r.get("key") in wanted and "task_hash" in r:
+      task_id = r["key"].rsplit("|", 2)[0]
+      if r["task_hash"] != hashes[task_id]:
+        raise ValueError(f"{results}: task {task_id!r} has changed since its episode was recorded there "
+                         "(another prompt, answer, files or limits under the same id); evaluate into a new "
+                         "--out, or remove the file to start over.")
 
 
 def signature_path(results: str | os.PathLike) -> Path:

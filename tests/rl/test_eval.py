@@ -117,3 +117,23 @@ def test_resume_refuses_results_played_with_other_settings(tmp_path):
                    signature=other)
   assert json.loads(harness.signature_path(fresh).read_text()) == other
   executor.shutdown()
+
+
+def test_resume_refuses_a_task_changed_under_the_same_id(tmp_path):
+  """Before, a regenerated task file with another answer for m1 kept m1's old (now wrong) grade."""
+  tasks = _tasks(3)
+  results = tmp_path / "res.jsonl"
+  executor = ThreadExecutor(workers=2)
+  first = harness.evaluate(tasks, OraclePolicy(), executor, tiers=["low"], results=results, progress=False)
+  assert all(r["success"] for r in first) and all(r["task_hash"] == harness.task_hash(tasks[int(r["key"][1])])
+                                                  for r in first)
+  again = _tasks(3)  # the same content: resumes with nothing to play
+  assert len(harness.evaluate(again, OraclePolicy(), executor, tiers=["low"], results=results,
+                              progress=False)) == 3
+  changed = tasks[:1] + [tasks[1].with_(fields=dict(tasks[1].fields, answer="99"))] + tasks[2:]
+  with pytest.raises(ValueError, match="task 'm1' has changed since its episode was recorded"):
+    harness.evaluate(changed, OraclePolicy(), executor, tiers=["low"], results=results, progress=False)
+  with_meta = [t.with_(meta={"note": "meta decides nothing"}) for t in tasks]
+  assert len(harness.evaluate(with_meta, OraclePolicy(), executor, tiers=["low"], results=results,
+                              progress=False)) == 3
+  executor.shutdown()
