@@ -32,6 +32,7 @@ def env() -> ml_collections.ConfigDict:
   e.memory_mb = 512  # cgroup memory limit of one sandboxed command
   e.max_pids = 64  # cgroup pids limit of one sandboxed command
   e.output_limit_bytes = 65536  # stdout + stderr kept from one command
+  e.disk_mb = 256  # size cap of one episode's task directory (a tmpfs where root may mount one)
   e.max_turns = 8  # assistant messages per episode when the task sets none
   e.max_tokens_per_turn = 256  # generated tokens per assistant message (thinking included)
   e.system_prompt = ""  # an optional system message before the task's first user message

@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
+from rl.sandbox import taskdir
 from rl.tasks.schema import Task
 from serving.grammar import validate_arguments
 from serving.types import Tool, ToolCall
@@ -61,6 +62,7 @@ _ENV_MINIMUMS = (
     ("memory_mb", 1, "the cgroup memory limit of one command; nsjail reads 0 as no limit"),
     ("max_pids", 1, "the cgroup pids limit of one command; nsjail reads 0 as no limit"),
     ("output_limit_bytes", 1, "stdout + stderr kept from one command"),
+    ("disk_mb", 1, "the size cap of one episode's task directory (a tmpfs)"),
     ("max_turns", 1, "assistant messages per episode"),
     ("max_tokens_per_turn", 1, "generated tokens per assistant message"),
 )
@@ -88,6 +90,9 @@ class EnvContext:
     command_timeout_s: wall-time limit of one shell/python tool call.
     memory_mb, max_pids: cgroup limits of one sandboxed command.
     output_limit_bytes: stdout+stderr kept from one command (the rest is cut and said so).
+    disk_mb: size cap of one episode's task directory: a tmpfs of this size where this process
+      may mount one (root on Linux; rl/sandbox/taskdir.py), else an ordinary directory (logged
+      once).
   """
 
   root: Path | None = None
@@ -96,13 +101,18 @@ class EnvContext:
   memory_mb: int = 512
   max_pids: int = 64
   output_limit_bytes: int = 64 * 1024
+  disk_mb: int = 256
 
   def __post_init__(self):
-    if self.root is None:  # ours: removed with this context (or at exit)
+    self._mounts: set[Path] = set()
+    root_is_ours = self.root is None
+    if root_is_ours:  # removed with this context (or at exit)
       self.root = Path(tempfile.mkdtemp(prefix="horizon_envs_"))
-      weakref.finalize(self, shutil.rmtree, str(self.root), ignore_errors=True)
     self.root = Path(self.root)
     self.root.mkdir(parents=True, exist_ok=True)
+    # Task directories still mounted when the context goes are unmounted then (else a tmpfs
+    # would hold its files in memory after the run); our own root is removed too.
+    weakref.finalize(self, _release, self._mounts, str(self.root) if root_is_ours else None)
 
   @classmethod
   def from_config(cls, env) -> "EnvContext":
@@ -110,12 +120,41 @@ class EnvContext:
     check_env_config(env)
     return cls(root=env.root or None, allow_unsafe_sandbox=bool(env.allow_unsafe_sandbox),
                command_timeout_s=float(env.command_timeout_s), memory_mb=int(env.memory_mb),
-               max_pids=int(env.max_pids), output_limit_bytes=int(env.output_limit_bytes))
+               max_pids=int(env.max_pids), output_limit_bytes=int(env.output_limit_bytes),
+               disk_mb=int(env.disk_mb))
 
   def new_dir(self, name: str) -> Path:
-    """A fresh, empty directory for one episode."""
+    """A fresh, empty directory for one episode, a tmpfs of disk_mb where one can be mounted."""
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:80] or "task"
-    return Path(tempfile.mkdtemp(prefix=f"{safe}_", dir=self.root))
+    path = Path(tempfile.mkdtemp(prefix=f"{safe}_", dir=self.root))
+    why_not = taskdir.mount_tmpfs(path, self.disk_mb)
+    if why_not is None:
+      self._mounts.add(path)
+    elif not _UNCAPPED_LOGGED:
+      _UNCAPPED_LOGGED.append(why_not)
+      _log.warning("task directories are not size-capped (%s): a command can fill %s's disk", why_not,
+                   self.root)
+    return path
+
+  def remove_dir(self, path: Path) -> None:
+    """Removes an episode's directory (unmounting its tmpfs first)."""
+    if path in self._mounts:
+      self._mounts.discard(path)
+      taskdir.unmount(path)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+_UNCAPPED_LOGGED: list[str] = []  # why task directories are not capped, once logged
+
+
+def _release(mounts: set[Path], root: str | None) -> None:
+  for path in list(mounts):
+    try:
+      taskdir.unmount(path)
+    except OSError:
+      pass
+  if root is not None:
+    shutil.rmtree(root, ignore_errors=True)
 
 
 class Environment(abc.ABC):
@@ -185,7 +224,7 @@ class DirectoryEnvironment(Environment):
 
   def close(self) -> None:
     if self.dir is not None:
-      shutil.rmtree(self.dir, ignore_errors=True)
+      self.ctx.remove_dir(self.dir)
       self.dir = None
 
 

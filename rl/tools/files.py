@@ -10,6 +10,7 @@ each command), so a path checked here cannot change before it is used.
 
 from __future__ import annotations
 
+import errno
 import os
 import posixpath
 import shutil
@@ -104,7 +105,13 @@ def write_text(root: Path, path: str, content: str) -> str:
   target = resolve(root, path)
   if target.is_dir() and not target.is_symlink():
     raise ToolError(f"{path!r} is a directory; give a file path such as '{path.rstrip('/')}/file.txt'")
-  _write_bytes(root, target, data)
+  try:
+    _write_bytes(root, target, data)
+  except OSError as e:
+    if e.errno != errno.ENOSPC:
+      raise
+    raise ToolError(f"the task directory is full (No space left on device): {path!r} was not written; "
+                    "remove files you no longer need first") from None
   return f"wrote {len(data)} bytes to {path}"
 
 

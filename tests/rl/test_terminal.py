@@ -102,3 +102,25 @@ def test_tool_errors_come_back_as_results(ctx):
     assert deep.error and "nested too deeply" in deep.content
   finally:
     env.close()
+
+
+def test_a_command_cannot_fill_the_disk_past_the_task_directory_cap(tmp_path):
+  """--rlimit_fsize caps one file; five 60 MB files in one command wrote 301 MB to the host's disk."""
+  ctx = EnvContext(root=tmp_path, disk_mb=16)
+  task = generate("terminal", split="train", difficulty=0, n=1, seed=0)[0]
+  env = make_env(task, ctx)
+  try:
+    if not any(line.split()[1] == str(env.dir) for line in open("/proc/mounts")):
+      pytest.skip("this process cannot mount a tmpfs (needs root on Linux); task directories are uncapped")
+    env.reset()
+    fill = env.execute(ToolCall(id="c", name="shell", arguments=json.dumps(
+      {"command": "for i in 1 2 3; do head -c 8M /dev/zero > f$i; done; du -sm . | cut -f1"})))
+    assert "No space left on device" in fill.content, fill.content
+    assert sum(f.stat().st_size for f in env.dir.iterdir()) <= 16 * 2 ** 20
+    big = env.execute(ToolCall(id="c", name="write_file",
+                               arguments=json.dumps({"path": "g", "content": "x" * 2 ** 20})))
+    assert big.error and "the task directory is full" in big.content, big.content
+    path = env.dir
+  finally:
+    env.close()
+  assert not path.exists() and not any(line.split()[1] == str(path) for line in open("/proc/mounts"))
