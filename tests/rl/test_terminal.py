@@ -1,6 +1,7 @@
 """Terminal tasks: generation contract, oracle/near-miss grading, and tool error handling."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -110,7 +111,7 @@ def test_a_command_cannot_fill_the_disk_past_the_task_directory_cap(tmp_path):
   task = generate("terminal", split="train", difficulty=0, n=1, seed=0)[0]
   env = make_env(task, ctx)
   try:
-    if not any(line.split()[1] == str(env.dir) for line in open("/proc/mounts")):
+    if str(env.dir) not in _mount_points():
       pytest.skip("this process cannot mount a tmpfs (needs root on Linux); task directories are uncapped")
     env.reset()
     fill = env.execute(ToolCall(id="c", name="shell", arguments=json.dumps(
@@ -123,4 +124,8 @@ def test_a_command_cannot_fill_the_disk_past_the_task_directory_cap(tmp_path):
     path = env.dir
   finally:
     env.close()
-  assert not path.exists() and not any(line.split()[1] == str(path) for line in open("/proc/mounts"))
+  assert not path.exists() and str(path) not in _mount_points()
+
+
+def _mount_points() -> set[str]:
+  return {line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()}
