@@ -159,6 +159,11 @@ class ModelConfig:
               "delta_conv_size", "delta_chunk_size", "num_experts", "experts_per_token",
               "expert_dim", "dsa_period"):
       need(isinstance(getattr(self, f), int) and getattr(self, f) > 0, f, "must be a positive int.")
+    for f, why in (("norm_eps", "the RMSNorm epsilon"), ("rope_theta", "the RoPE base"),
+                   ("routed_scaling", "the routed experts' output scale; 0 would switch them off")):
+      value = getattr(self, f)
+      need(isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf, f,
+           f"must be a finite number > 0 ({why}).")
     need(0 <= self.dsa_offset < self.dsa_period, "dsa_offset", "must be in [0, dsa_period).")
     need(0 <= self.num_dense_layers <= self.num_layers, "num_dense_layers",
          "must be between 0 and num_layers.")
@@ -202,6 +207,10 @@ class ModelConfig:
          "raise rope_theta.")
     v = self.vision
     if v.enabled:
+      for f in ("image_size", "patch_size", "num_channels", "width", "depth", "num_heads", "mlp_dim"):
+        value = getattr(v, f)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+          raise ConfigError(f"config.model.vision.{f}={value!r}: must be a positive int.")
       if v.image_size % v.patch_size:
         raise ConfigError(f"config.model.vision.image_size={v.image_size} is not a multiple of "
                           f"patch_size={v.patch_size}.")

@@ -4,6 +4,7 @@ import glob
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -80,6 +81,11 @@ def test_param_count_cli_last_line_is_json():
     ("rope_theta", 10.0, "raise rope_theta"),
     ("experts_per_token", 99, "experts_per_token"),
     ("remat", "sometimes", "remat"),
+    ("norm_eps", -1.0, "finite number > 0"),  # every logit was NaN, named as a tensor at step 0
+    ("norm_eps", 0.0, "finite number > 0"),
+    ("routed_scaling", 0.0, "0 would switch them off"),
+    ("routed_scaling", float("nan"), "finite number > 0"),
+    ("rope_theta", -10000.0, "finite number > 0"),  # was a TypeError about complex numbers
 ])
 def test_bad_values_name_the_field(field, value, fragment):
   c = horizon.get_config("tiny")
@@ -103,3 +109,15 @@ def test_missing_and_unknown_fields():
 def test_unknown_variant():
   with pytest.raises(ValueError, match="unknown variant"):
     horizon.get_config("huge")
+
+
+@pytest.mark.parametrize("field,value", [("patch_size", 0), ("num_heads", 0), ("mlp_dim", -4), ("depth", 0),
+                                         ("image_size", 0)])
+def test_bad_vision_values_name_the_field(field, value):
+  """patch_size / num_heads 0 were a ZeroDivisionError, mlp_dim < 0 a deep JAX shape error."""
+  c = horizon.get_config("tiny")
+  assert c.model.vision.enabled
+  c.model.vision[field] = value
+  message = f"config.model.vision.{field}={value!r}: must be a positive int"
+  with pytest.raises(ConfigError, match=re.escape(message)):
+    ModelConfig.from_config(c.model)

@@ -135,7 +135,13 @@ def test_train_config_errors(setup):
   for field, value, rule in (("b2", 1.0, "in [0, 1)"), ("b1", -0.1, "in [0, 1)"), ("eps", 0.0, "> 0"),
                              ("weight_decay", -1e-4, ">= 0"), ("end_lr_fraction", 1.5, "in [0, 1]"),
                              ("warmup_steps", -1, "an int >= 0"),
-                             ("grad_clip", -1.0, ">= 0 (0: no clipping)")):
+                             ("grad_clip", -1.0, ">= 0 (0: no clipping)"),
+                             ("learning_rate", float("nan"), "a finite number > 0"),  # nan <= 0 is False
+                             ("learning_rate", float("inf"), "a finite number > 0"),
+                             ("router_bias_rate", -1e-3, "a finite number >= 0"),  # reversed balancing
+                             ("z_loss_weight", float("nan"), "a finite number >= 0"),
+                             ("seq_aux_weight", -1.0, "a finite number >= 0"),
+                             ("indexer_loss_weight", float("inf"), "a finite number >= 0")):
     with pytest.raises(ValueError, match=re.escape(f"config.train.{field}={value!r}: must be {rule}.")):
       ts.TrainConfig.from_config(dict(horizon.get_config("tiny").train.items(), **{field: value}))
 

@@ -43,6 +43,7 @@ logs and continues (`'skip'`).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Mapping
 
 import jax
@@ -54,6 +55,7 @@ from flax import nnx
 from model.attention.dsa import GatedDSA
 from model.moe import find_moe_modules, update_router_biases
 from training import leaf_groups
+from training.knobs import check_nonnegative_numbers
 
 BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids")
 
@@ -90,8 +92,11 @@ class TrainConfig:
     for f in ("steps", "global_batch", "seq_len"):
       if not isinstance(d[f], int) or d[f] < 1:
         raise ValueError(f"config.train.{f}={d[f]!r}: must be a positive int.")
-    if d["learning_rate"] <= 0:
-      raise ValueError(f"config.train.learning_rate={d['learning_rate']!r}: must be > 0.")
+    if not isinstance(d["learning_rate"], (int, float)) or not 0 < d["learning_rate"] < math.inf:
+      raise ValueError(f"config.train.learning_rate={d['learning_rate']!r}: must be a finite number > 0.")
+    # A negative router_bias_rate reverses load balancing; NaN in any of them poisons the step.
+    check_nonnegative_numbers("train", d, ("z_loss_weight", "seq_aux_weight", "indexer_loss_weight",
+                                           "router_bias_rate"))
     if not isinstance(d["grad_accum"], int) or d["grad_accum"] < 1:
       raise ValueError(f"config.train.grad_accum={d['grad_accum']!r}: must be a positive int.")
     if d["global_batch"] % d["grad_accum"]:
