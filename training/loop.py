@@ -19,6 +19,8 @@ workdir may be a local path or a URL (gs://, s3://).
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -31,9 +33,10 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from model import flops
-from model.config import model_config
-from model.decoder import Horizon
+from model.config import ConfigError, ModelConfig, model_config
+from model.decoder import Horizon, abstract_model
 from sharding import mesh as mesh_lib
+from sharding import rules as rules_lib
 from sharding.state import create_sharded_model
 from training import batches as batches_lib
 from training import metrics as metrics_lib
@@ -90,16 +93,80 @@ def check_init_from(config, run_checkpoints: Any) -> None:
                     "which started from %r", init_from, run_checkpoints, resumed["step"], started)
 
 
+# config.model fields a resumed run may change: how the same function is computed (precision,
+# remat, kernels, blocking, the expert exchange) or planned stage changes (the indexer's stage,
+# a longer context). Any other difference would train another model on these weights.
+RESUMABLE_MODEL_FIELDS = frozenset({
+    "dtype", "remat", "scan_layers", "kernels", "expert_exchange", "capacity_factor",
+    "dsa_query_block", "dsa_key_block", "dsa_dense_len", "delta_chunk_size", "indexer_stage",
+    "max_seq_len"})
+
+
+def check_resume(config, cfg: ModelConfig, run_checkpoints: Any) -> None:
+  """A run resuming from its own checkpoint: its step and model, before data or model are built.
+
+  With train.steps below the checkpoint's step the run trained nothing and saved the last
+  weights again under a smaller step; a changed config.model either trained on silently or
+  failed a minute later naming a tensor rather than the field.
+  """
+  try:
+    meta = read_meta(run_checkpoints)
+  except CheckpointNotFoundError:
+    return
+  step = int(meta["step"])
+  if config.train.steps < step:
+    raise ValueError(f"config.train.steps={config.train.steps} is below step {step} of this run's checkpoint "
+                     f"in {run_checkpoints}; raise it to continue the run, or use a new --workdir.")
+  stored = (meta.get("config") or {}).get("model")
+  try:
+    before = dataclasses.asdict(ModelConfig.from_config(stored))
+  except (ConfigError, TypeError, KeyError, AttributeError):  # absent, or from an older config schema
+    logging.warning("cannot compare config.model with %s's stored config; resuming as configured",
+                    run_checkpoints)
+    return
+  now = dataclasses.asdict(cfg)
+  changed = [f"{k} (checkpoint {before[k]!r}, now {now[k]!r})" for k in now
+             if k not in RESUMABLE_MODEL_FIELDS and before.get(k) != now[k]]
+  if changed:
+    raise ValueError(f"config.model differs from the checkpoint this run resumes ({run_checkpoints}, step "
+                     f"{step}): {'; '.join(changed)}. Resume with the checkpoint's values, or train the new "
+                     "model in a new --workdir (--config.checkpoint.init_from can start it from these "
+                     "weights where their shapes agree).")
+
+
+def check_layout(tc: TrainConfig, cfg: ModelConfig, mesh: jax.sharding.Mesh) -> None:
+  """The batch, sequence and parameters against the mesh and the model, before data is built.
+
+  A global batch the batch axes do not divide was replicated: every device computed the whole
+  batch (and MFU counted it once). A seq_len past max_seq_len skipped the RoPE check. A weight
+  dimension a mesh axis does not divide failed only after the data was prepared.
+  """
+  if tc.seq_len > cfg.max_seq_len:
+    raise ValueError(f"config.train.seq_len={tc.seq_len} exceeds config.model.max_seq_len={cfg.max_seq_len}.")
+  axes = rules_lib.current_rules().batch_axes
+  shards = math.prod(mesh.shape.get(a, 1) for a in axes)
+  if tc.global_batch % (shards * tc.grad_accum):
+    raise ValueError(f"config.train.global_batch={tc.global_batch} is not divisible by grad_accum="
+                     f"{tc.grad_accum} x the batch mesh axes {axes} (product {shards}) = "
+                     f"{shards * tc.grad_accum}; use a multiple of it.")
+  rules_lib.state_specs(nnx.split(abstract_model(cfg))[1], dict(mesh.shape))  # ShardingError names the dim
+
+
 class _Run:
   """State of one launch: model, optimizer, batch source, checkpointer."""
 
   def __init__(self, config, workdir: str, make_batches: BatchFactory | None = None):
     self.config, self.workdir = config, workdir
     self.cfg = model_config(config)
+    if self.cfg.quantization != "none":
+      raise ValueError(f"config.model.quantization={self.cfg.quantization!r}: training keeps dense weights; "
+                       "train with 'none' and convert the finished checkpoint with experiments.quantize.")
     self.tc = TrainConfig.from_config(config.train)
     check_loop_config(config)
     check_init_from(config, epath.Path(workdir) / "checkpoints")
+    check_resume(config, self.cfg, epath.Path(workdir) / "checkpoints")
     self.mesh = mesh_lib.make_mesh(config.mesh)
+    check_layout(self.tc, self.cfg, self.mesh)
     self.data = (make_batches or batches_lib.make_batches)(config, workdir, self.cfg, self.mesh, self.tc)
 
   def build(self) -> None:
