@@ -89,6 +89,7 @@ def test_parse_sources():
     ("", "empty"), ("stdlib;;text:/a=1", "stray ';'"), ("book:/a=1", "unknown kind 'book'"),
     ("stdlib=lots", "'lots'"), ("text:/a=-1", ">= 0"), ("stdlib:/x=1", "takes no path"),
     ("text=1", "missing path"), ("stdlib=1;stdlib=2", "twice"), ("jsonl:/a.jsonl@=1", "empty field"),
+    ("stdlib=0;text:/a=0", "every weight is 0"),
 ])
 def test_parse_sources_errors(spec, needle):
   with pytest.raises(data.DataError, match=None) as e:
@@ -109,6 +110,26 @@ def test_jsonl_documents_and_errors(tmp_path):
 
 
 # ---- prepare -------------------------------------------------------------------
+
+
+def test_prepare_leaves_files_it_did_not_write_alone(tmp_path, tok):
+  """It deleted a folder named like a source and replaced a foreign manifest.json."""
+  src = data.parse_sources("stdlib=1.0")[0]
+  out = tmp_path / "mine"
+  (out / "stdlib").mkdir(parents=True)
+  (out / "stdlib" / "notes.txt").write_text("keep me")
+  (out / data.MANIFEST_NAME).write_text('{"mine": true}')
+  with pytest.raises(data.DataError, match=r"holds 'manifest.json', 'stdlib', which prepare did not write"):
+    data.prepare([src], tok, out, max_docs=2, log=lambda s: None)
+  assert (out / "stdlib" / "notes.txt").read_text() == "keep me"
+  assert (out / data.MANIFEST_NAME).read_text() == '{"mine": true}'
+  ours = tmp_path / "ours"
+  data.prepare([src], tok, ours, max_docs=2, log=lambda s: None)
+  assert data.prepare([src], tok, ours, max_docs=2, log=lambda s: None)["up_to_date"]  # its own: kept
+  missing = data.parse_sources(f"stdlib=1;text:{tmp_path}/none/*.md=1")
+  with pytest.raises(data.DataError, match="no file matches"):  # before stdlib is tokenized
+    data.prepare(missing, tok, tmp_path / "new", max_docs=2, log=lambda s: None)
+  assert not (tmp_path / "new" / "stdlib").exists()
 
 
 def test_prepare_counts_match_retokenized_docs(tmp_path, tok):

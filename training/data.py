@@ -205,6 +205,34 @@ def _build_source(out: epath.Path, source: Source, files, tokenizer, config: dic
   return meta
 
 
+def _check_ours(out: epath.Path, sources: Sequence[Source]) -> None:
+  """Refuses an output directory whose manifest or source folders `prepare` did not write.
+
+  Rebuilding a source removes its folder and the manifest is replaced, so a directory holding
+  someone else's `manifest.json` or a folder named like a source lost those files.
+  """
+  if not out.exists():
+    return
+  if not out.is_dir():
+    raise DataError(f"{out} is a file; prepare writes a directory of shards: choose another path.")
+  manifest = out / MANIFEST_NAME
+  theirs = []
+  if manifest.exists():
+    m = _read_json(manifest)
+    if not (isinstance(m, dict) and m.get("record_magic") == RECORD_MAGIC.decode() and "sources" in m):
+      theirs.append(MANIFEST_NAME)
+  for source in sources:
+    folder = out / source.name
+    if folder.exists():
+      meta = _read_json(folder / SOURCE_META_NAME) if folder.is_dir() else None
+      if not (isinstance(meta, dict) and "format" in meta and "shards" in meta):
+        theirs.append(source.name)
+  if theirs:
+    raise DataError(f"{out} holds {', '.join(repr(t) for t in theirs)}, which prepare did not write and "
+                    "would replace; choose an empty directory (--out, or config.data.prepared_dir) or move "
+                    "them.")
+
+
 def prepare(sources: Sequence[Source], tokenizer, out_dir, docs_per_shard: int = 256,
             max_docs: int | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
   """Tokenizes `sources` into ArrayRecord shards under `out_dir`; returns the manifest.
@@ -224,12 +252,14 @@ def prepare(sources: Sequence[Source], tokenizer, out_dir, docs_per_shard: int =
   if max_docs is not None and (not isinstance(max_docs, int) or max_docs < 1):
     raise DataError(f"prepare: max_docs={max_docs!r} must be a positive int or None.")
   out = epath.Path(out_dir)
+  _check_ours(out, sources)
   out.mkdir(parents=True, exist_ok=True)
   tok = tokenizer_info(tokenizer)
+  # Every source's files first: a source matching nothing fails before any is tokenized.
+  inputs = [(source, source_files(source)) for source in sources]
   entries, rebuilt = {}, []
-  for source in sources:
+  for source, files in inputs:
     config = _source_config(source, docs_per_shard, max_docs)
-    files = source_files(source)
     fp = input_fingerprint(source, files)
     meta = _is_current(out, source, config, tok, fp)
     if meta is None:

@@ -86,6 +86,8 @@ def parse_sources(spec: str) -> list[Source]:
     counts[kind] = index + 1
     name = "stdlib" if kind == "stdlib" else f"{kind}_{index}"
     out.append(Source(name=name, kind=kind, pattern=pattern, field=field, weight=weight))
+  if not any(s.weight > 0 for s in out):  # else found only after tokenizing and building the model
+    raise DataError(f"sources spec {spec!r}: every weight is 0; give at least one source a weight > 0.")
   return out
 
 
