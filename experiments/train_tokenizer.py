@@ -8,7 +8,8 @@
 The vocabulary has exactly config.model.vocab_size ids: 256 bytes, BPE merges,
 then training.tokenizer.SPECIAL_TOKENS (<|image|> last, which must equal
 config.model.image_token_id). The file is checked before it is written, so a
-config mismatch never overwrites a bundled tokenizer. Training is
+config mismatch never overwrites a bundled tokenizer, and an existing file with other
+contents is replaced only with --overwrite. Training is
 deterministic: the same corpus (the interpreter's stdlib, first --max_bytes in
 sorted-path order) gives the same file byte for byte.
 
@@ -33,6 +34,8 @@ _MAX_BYTES = flags.DEFINE_integer("max_bytes", tok_lib.DEFAULT_CORPUS_BYTES,
                                   "Training bytes: the first N of the stdlib corpus.")
 _MAX_DIGITS = flags.DEFINE_integer("max_digits", None, "Longest digit run in one piece (1-3); default: "
                                    "the bundled setting for the variant (agent: 1), else 3.")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an existing tokenizer file with different "
+                                "contents (checkpoints trained with the old one would decode wrongly).")
 _HELDOUT_BYTES = flags.DEFINE_integer("heldout_bytes", tok_lib.DEFAULT_HELDOUT_BYTES,
                                       "Held-out bytes (whole files after the training bytes).")
 
@@ -44,6 +47,23 @@ def _out_path(config) -> str:
     return tok_lib.default_tokenizer_path(config.get("variant", ""))
   except ValueError as e:
     raise SystemExit(f"--out is required for this config: {e}") from None
+
+
+def _check_replace(out: epath.Path, data: bytes) -> None:
+  """An existing tokenizer with other contents is replaced only with --overwrite.
+
+  Same-size vocabularies load into the same checkpoints, so a silently replaced tokenizer (by
+  default the bundled asset) would make every checkpoint trained with the old one decode
+  wrongly. Rebuilding the same file is allowed: training is deterministic.
+  """
+  if not out.exists() or _OVERWRITE.value:
+    return
+  old = out.read_bytes()
+  if old != data:
+    sha = lambda b: hashlib.sha256(b).hexdigest()[:16]  # noqa: E731
+    raise SystemExit(f"{out} exists with other contents (sha256 {sha(old)}…, new {sha(data)}…); "
+                     "checkpoints trained with it would decode wrongly with the new one. Pass --out=<new "
+                     "path>, or --overwrite to replace it. Nothing was written.")
 
 
 def main(argv):
@@ -68,6 +88,7 @@ def main(argv):
         f"config.model.vocab_size={vocab} and config.model.image_token_id={image}; the tokenizer's "
         f"<|image|> is its last id, so set image_token_id = vocab_size - 1 (a padded vocab such as "
         "tiny_sharded's reuses the unpadded variant's tokenizer). Nothing was written.")
+  _check_replace(epath.Path(out), data)
   epath.Path(out).parent.mkdir(parents=True, exist_ok=True)
   epath.Path(out).write_bytes(data)
 

@@ -282,3 +282,25 @@ def test_bundled_tiny_asset_is_reproducible():
     pytest.skip("this interpreter's stdlib differs from the one the assets were trained on (3.11.7)")
   with open(tok_lib.default_tokenizer_path("tiny"), "rb") as f:
     assert tok_lib.train_bpe(texts, 331).encode() == f.read()
+
+
+def test_train_tokenizer_does_not_replace_a_different_tokenizer(tmp_path):
+  """It silently replaced the target (by default the bundled asset); same-size vocabularies load into
+  the same checkpoints, which then decode wrongly."""
+  import shutil
+  import subprocess
+  import sys
+  from pathlib import Path
+
+  root = Path(__file__).resolve().parents[1]
+  out = tmp_path / "tok.json"
+  shutil.copy(root / "training" / "assets" / "tokenizer_tiny.json", out)
+  before = out.read_bytes()
+  cmd = [sys.executable, "-m", "experiments.train_tokenizer", "--config=configs/horizon.py:tiny",
+         f"--out={out}", "--max_bytes=100000"]
+  run = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
+  assert run.returncode != 0 and "exists with other contents" in run.stderr + run.stdout, run.stderr[-2000:]
+  assert out.read_bytes() == before
+  run = subprocess.run(cmd + ["--overwrite"], cwd=root, capture_output=True, text=True, timeout=300)
+  assert run.returncode == 0, run.stderr[-2000:]
+  assert out.read_bytes() != before
