@@ -1,9 +1,9 @@
 """Horizon model family: one config file, variants by name.
 
-Run (prints shapes, parameter counts and a few decode steps):
+Model, mesh and train sections; configs/pretrain.py adds data, checkpoints and metrics:
 
-    python -m experiments.quickstart --config=configs/horizon.py:tiny
     python -m experiments.param_count --config=configs/horizon.py:full
+    python -m experiments.quickstart --config=configs/pretrain.py:tiny
 
 Variants:
   tiny  -- unit tests: prime-ish dimensions so shape bugs cannot hide, 4 layers

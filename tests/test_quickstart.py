@@ -26,3 +26,20 @@ def test_quickstart_trains_below_unigram_and_samples(tmp_path):
   assert len(run.stderr.splitlines()) < 20, run.stderr[-3000:]
   assert any(p.name.startswith("quickstart") for p in (tmp_path / "logs").iterdir())
   assert (tmp_path / "metrics.jsonl").exists() and (tmp_path / "checkpoints" / "300").is_dir()
+
+
+def test_bad_quickstart_arguments_fail_before_training(tmp_path):
+  """These trained for minutes and then failed in the sampler (or on a missing config section)."""
+  from configs import horizon, pretrain
+  from training import quickstart
+
+  def refused(config, match, **kw):
+    args = {"prompt": "def f():", "new_tokens": 8, "temperature": 1.0, **kw}
+    with pytest.raises(ValueError, match=match):
+      quickstart.run(config, str(tmp_path), **args)
+
+  refused(pretrain.get_config("tiny"), r"--new_tokens=300: the prompt \(\d+ tokens\) \+ new tokens \+ 1 "
+          r"must fit config.model.max_seq_len=256", new_tokens=300)
+  refused(pretrain.get_config("tiny"), "--prompt is empty", prompt="")
+  refused(horizon.get_config("tiny"), r"no data, metrics, checkpoint section\(s\).*configs/pretrain.py:tiny")
+  assert not any(tmp_path.iterdir())  # nothing trained, prepared or saved

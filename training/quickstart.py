@@ -92,19 +92,29 @@ def run(config, workdir: str, *, prompt: str, new_tokens: int, temperature: floa
     checkpoint holds), steps_this_launch (fewer when it resumed a run),
     mean_tokens_per_s, mean_mfu, seconds.
   """
+  missing = [s for s in ("data", "metrics", "checkpoint") if s not in config]
+  if missing:
+    raise ValueError(f"the config has no {', '.join(missing)} section(s): the quickstart trains, so pass a "
+                     "training config, e.g. --config=configs/pretrain.py:tiny.")
+  if not prompt:
+    raise ValueError("--prompt is empty: the sampler continues a prompt of at least one token.")
   if config.data.pipeline != "grain":
     raise ValueError(f"config.data.pipeline={config.data.pipeline!r}: the quickstart compares the "
                      "loss with the prepared corpus's unigram entropy and samples text, so it needs "
                      "'grain' (a tokenizer and prepared shards).")
-  t0 = time.perf_counter()
-  summary = loop.run(config, workdir)
   cfg = model_config(config)
   tokenizer = tokenizer_for(config)
+  prompt_ids = tokenizer.encode(prompt)
+  if len(prompt_ids) + new_tokens + 1 > cfg.max_seq_len:  # checked before training, not after
+    raise ValueError(f"--new_tokens={new_tokens}: the prompt ({len(prompt_ids)} tokens) + new tokens + 1 "
+                     f"must fit config.model.max_seq_len={cfg.max_seq_len}; use --new_tokens <= "
+                     f"{cfg.max_seq_len - len(prompt_ids) - 1}.")
+  t0 = time.perf_counter()
+  summary = loop.run(config, workdir)
   entropy = unigram_entropy(summary["prepared_dir"], cfg.vocab_size)
   losses = summary["losses"]
   final = float(np.mean(losses[-20:])) if losses else float("nan")  # nan: the run had already finished
   model = load_model(summary["checkpoint_dir"], cfg)
-  prompt_ids = tokenizer.encode(prompt)
   ids = sample(model, prompt_ids, new_tokens, temperature, config.seed)
   tokens = prompt_ids + ids[:-1]
   # The sparse attention's top-k may pick a different key where two indexer scores tie to within
