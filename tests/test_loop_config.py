@@ -115,5 +115,9 @@ def test_layout_and_quantization_are_checked_before_data(tmp_path):
           train__global_batch=12)
   refused(re.escape("config.train.seq_len=1024 exceeds config.model.max_seq_len=256"), train__seq_len=1024)
   refused("training keeps dense weights", model__quantization="experts")  # saved as MXFP4, loaded by nothing
+  config = pretrain.get_config("tiny")
+  config.data.update(pipeline="bytes", shuffle_seed=-1)
+  with pytest.raises(ValueError, match=re.escape("config.data.shuffle_seed=-1: the bytes pipeline needs")):
+    loop._Run(config, str(tmp_path / "w"))  # failed inside numpy once the model was built
   refused(r"heads.*tensor", mesh__tensor=2, mesh__fsdp=-1)  # a weight dim the mesh does not divide
   assert not built

@@ -125,7 +125,10 @@ class ByteBatches:
     if cfg.vocab_size < 256:
       raise ValueError(f"config.model.vocab_size={cfg.vocab_size}: config.data.pipeline='bytes' "
                        "needs >= 256 ids (one per byte).")
-    self.mesh, self.tc, self.seed = mesh, tc, int(config.data.shuffle_seed)
+    seed = config.data.shuffle_seed
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:  # numpy's generator needs >= 0
+      raise ValueError(f"config.data.shuffle_seed={seed!r}: the bytes pipeline needs an int >= 0.")
+    self.mesh, self.tc, self.seed = mesh, tc, seed
     self.corpus = byte_corpus.load_stdlib_bytes()
 
   def start(self) -> None:
