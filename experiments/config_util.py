@@ -1,6 +1,8 @@
 """The `--config=configs/<file>.py:<variant>` flag shared by the launchers (absl glue, no logic)."""
 
-from absl import flags
+import sys
+
+from absl import app, flags
 from ml_collections import config_flags
 
 
@@ -11,6 +13,23 @@ def define_config_flag(required: bool = True):
   if required:
     flags.mark_flag_as_required("config")
   return holder
+
+
+def run_app(main) -> None:
+  """`app.run(main)`, except that a bad --config (a typo'd override such as
+  `--config.model.num_layer=3`, a wrong type, an unknown variant) ends with its one-line reason
+  and ml_collections' suggestion instead of a 50-line traceback with the hint in the middle."""
+  def parse(argv):
+    try:
+      return app.parse_flags_with_usage(argv)
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+      reason = str(e)
+      if len(reason) > 1 and reason[0] == reason[-1] and reason[0] in "'\"":  # a KeyError's repr
+        reason = reason[1:-1]
+      reason = reason.replace("\\n", " ").replace("\\'", "'").replace("\n", " ")
+      overrides = " ".join(a for a in argv[1:] if a.startswith("--config"))
+      sys.exit(f"FATAL flags error: {reason}\n(in {overrides}; configs/*.py lists the fields)")
+  app.run(main, flags_parser=parse)
 
 
 def define_distributed_flags():

@@ -25,7 +25,7 @@ import json
 
 from absl import app, flags
 
-from experiments.config_util import define_config_flag
+from experiments.config_util import define_config_flag, run_app
 from model.config import model_config
 from training import activation_memory as am
 from training import memory_plan as mp
@@ -71,4 +71,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  run_app(main)

@@ -7,9 +7,7 @@ Last line: JSON {"total", "active", "layers": {"dsa", "delta"}, ...}.
 
 import json
 
-from absl import app
-
-from experiments.config_util import define_config_flag
+from experiments.config_util import define_config_flag, run_app
 from model.config import model_config
 from model.param_count import count_parameters
 
@@ -37,4 +35,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  run_app(main)

@@ -19,9 +19,9 @@ from __future__ import annotations
 import json
 import time
 
-from absl import app, flags
+from absl import flags
 
-from experiments.config_util import define_config_flag
+from experiments.config_util import define_config_flag, run_app
 from model.config import model_config
 from training import data
 from training.tokenizer import default_tokenizer_path, load_tokenizer
@@ -69,4 +69,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  run_app(main)

@@ -30,7 +30,7 @@ import json
 import jax
 from absl import app, flags
 
-from experiments.config_util import define_config_flag, define_distributed_flags, log_to_workdir
+from experiments.config_util import define_config_flag, define_distributed_flags, log_to_workdir, run_app
 from training.loop import run
 
 _CONFIG = define_config_flag()
@@ -50,4 +50,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  run_app(main)

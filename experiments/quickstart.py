@@ -17,10 +17,10 @@ from __future__ import annotations
 import json
 import math
 
-from absl import app, flags
+from absl import flags
 from etils import epath
 
-from experiments.config_util import define_config_flag, log_to_workdir
+from experiments.config_util import define_config_flag, log_to_workdir, run_app
 from training import quickstart
 
 _CONFIG = define_config_flag()
@@ -51,4 +51,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  run_app(main)

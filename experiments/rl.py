@@ -24,9 +24,9 @@ from __future__ import annotations
 import json
 
 import jax
-from absl import app, flags
+from absl import flags
 
-from experiments.config_util import define_config_flag, define_distributed_flags, log_to_workdir
+from experiments.config_util import define_config_flag, define_distributed_flags, log_to_workdir, run_app
 from rl.train.trainer import run
 
 _CONFIG = define_config_flag()
@@ -51,4 +51,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  run_app(main)

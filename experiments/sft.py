@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import json
 
-from absl import app, flags
+from absl import flags
 
-from experiments.config_util import define_config_flag, log_to_workdir
+from experiments.config_util import define_config_flag, log_to_workdir, run_app
 from rl.sft.train import run_sft
 
 _CONFIG = define_config_flag()
@@ -36,4 +36,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  run_app(main)

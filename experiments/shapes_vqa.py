@@ -25,9 +25,9 @@ from __future__ import annotations
 import functools
 import json
 
-from absl import app, flags
+from absl import flags
 
-from experiments.config_util import define_config_flag
+from experiments.config_util import define_config_flag, run_app
 from training import shapes, shapes_vqa
 
 _CONFIG = define_config_flag()
@@ -62,4 +62,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  run_app(main)

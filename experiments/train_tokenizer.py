@@ -21,10 +21,10 @@ import hashlib
 import json
 import platform
 
-from absl import app, flags
+from absl import flags
 from etils import epath
 
-from experiments.config_util import define_config_flag
+from experiments.config_util import define_config_flag, run_app
 from training import tokenizer as tok_lib
 
 _CONFIG = define_config_flag()
@@ -115,4 +115,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  run_app(main)

@@ -75,6 +75,16 @@ def test_param_count_cli_last_line_is_json():
   assert last["layers"] == {"dsa": 2, "delta": 2} and last["total"] > last["active"] > 0
 
 
+def test_a_typo_in_an_override_is_one_line_with_the_suggestion():
+  """It was a 55-line traceback with ml_collections' suggestion in the middle."""
+  cmd = [sys.executable, "-m", "experiments.param_count", "--config=configs/horizon.py:tiny",
+         "--config.model.num_layer=3"]
+  run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert run.returncode == 1 and "Traceback" not in run.stderr
+  assert "FATAL flags error: 'num_layer' Did you mean \"num_layers\" instead of \"num_layer\"?" in run.stderr
+  assert "--config.model.num_layer=3" in run.stderr
+
+
 @pytest.mark.parametrize("field,value,fragment", [
     ("delta_v_heads", 3, "multiple of delta_qk_heads"),
     ("router_groups", 3, "must divide num_experts"),
