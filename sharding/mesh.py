@@ -66,15 +66,25 @@ class MeshConfig:
   def parse(cls, text: str) -> "MeshConfig":
     """'data=2,expert=4' or '2,1,4,1' (data,fsdp,expert,tensor); unnamed axes default to 1."""
     text = text.strip()
+
+    def size(value: str) -> int:
+      try:
+        return int(value)
+      except ValueError:
+        raise MeshError(f"--mesh={text!r}: {value.strip()!r} is not an axis size (int; -1 fills)") from None
+
     if "=" in text:
-      d = {n: 1 for n in MESH_AXES}
+      d, given = {n: 1 for n in MESH_AXES}, set()
       for part in text.split(","):
-        name, _, value = part.partition("=")
-        if name.strip() not in MESH_AXES:
-          raise MeshError(f"--mesh: unknown axis {name.strip()!r} in {text!r}; axes are {MESH_AXES}.")
-        d[name.strip()] = int(value)
+        name, _, value = (x.strip() for x in part.partition("="))
+        if name not in MESH_AXES:
+          raise MeshError(f"--mesh: unknown axis {name!r} in {text!r}; axes are {MESH_AXES}.")
+        if name in given:  # the last one silently won
+          raise MeshError(f"--mesh={text!r}: axis {name!r} is given twice; give each axis once.")
+        given.add(name)
+        d[name] = size(value)
       return cls.from_config(d)
-    parts = [int(p) for p in text.split(",")]
+    parts = [size(p) for p in text.split(",")]
     if len(parts) != len(MESH_AXES):
       raise MeshError(f"--mesh={text!r}: give {len(MESH_AXES)} sizes {MESH_AXES} or name=size pairs.")
     return cls.from_config(dict(zip(MESH_AXES, parts, strict=True)))

@@ -80,6 +80,12 @@ def test_mesh_fill_and_errors():
     mesh_lib.make_mesh({"data": 3, "fsdp": -1, "expert": 1, "tensor": 1})
   with pytest.raises(mesh_lib.MeshError, match="unknown axes \\['pipeline'\\]"):
     mesh_lib.MeshConfig.from_config({"data": 1, "fsdp": 1, "expert": 1, "tensor": 1, "pipeline": 1})
+  with pytest.raises(mesh_lib.MeshError, match="axis 'fsdp' is given twice"):  # the last one won silently
+    mesh_lib.MeshConfig.parse("fsdp=4,fsdp=2")
+  with pytest.raises(mesh_lib.MeshError, match="'x' is not an axis size"):  # a bare int() error before
+    mesh_lib.MeshConfig.parse("fsdp=x")
+  with pytest.raises(mesh_lib.MeshError, match="'two' is not an axis size"):
+    mesh_lib.MeshConfig.parse("1,two,1,1")
 
 
 def test_logical_to_spec():
