@@ -71,6 +71,8 @@ def main(argv):
   config = _CONFIG.value
   vocab, image = config.model.vocab_size, config.model.image_token_id
   out = _out_path(config)
+  if _MAX_BYTES.value < 1 << 16:
+    raise SystemExit(f"--max_bytes={_MAX_BYTES.value}: train on at least {1 << 16} bytes of the corpus.")
   texts = tok_lib.stdlib_training_texts(_MAX_BYTES.value)
   max_digits = _MAX_DIGITS.value or tok_lib.BUNDLED_MAX_DIGITS.get(config.get("variant", ""), 3)
   try:

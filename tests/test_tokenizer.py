@@ -301,6 +301,9 @@ def test_train_tokenizer_does_not_replace_a_different_tokenizer(tmp_path):
   run = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
   assert run.returncode != 0 and "exists with other contents" in run.stderr + run.stdout, run.stderr[-2000:]
   assert out.read_bytes() == before
+  small = subprocess.run(cmd[:-1] + ["--max_bytes=30000"], cwd=root, capture_output=True, text=True,
+                         timeout=300)
+  assert small.returncode != 0 and "--max_bytes=30000: train on at least 65536 bytes" in small.stderr
   run = subprocess.run(cmd + ["--overwrite"], cwd=root, capture_output=True, text=True, timeout=300)
   assert run.returncode == 0, run.stderr[-2000:]
   assert out.read_bytes() != before

@@ -27,6 +27,8 @@ from sharding.rules import activation_spec
 @functools.lru_cache(maxsize=4)
 def load_stdlib_bytes(max_bytes: int = 8 << 20) -> np.ndarray:
   """The first `max_bytes` of the stdlib's .py files (sorted paths), as uint8."""
+  if not isinstance(max_bytes, int) or max_bytes < 1 << 16:  # not the environment's fault
+    raise ValueError(f"max_bytes={max_bytes!r}: the byte corpus needs at least {1 << 16} bytes.")
   root = Path(sysconfig.get_paths()["stdlib"])
   chunks, total = [], 0
   for path in sorted(root.rglob("*.py")):
