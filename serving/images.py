@@ -141,7 +141,14 @@ def decode_image(source: str | bytes, image_size: int, channels: int = 3, *, max
 
 
 def _flatten(img: Image.Image, mode: str) -> Image.Image:
-  """Converts to `mode`, compositing any transparency onto white."""
+  """Converts to `mode`, compositing any transparency onto white; 16-bit grey scaled to 8 bits.
+
+  Pillow opens a 16-bit greyscale PNG as mode I;16 or I, and `convert` clips those values at
+  255, which turned every such image white.
+  """
+  if img.mode.startswith("I"):
+    grey = np.rint(np.asarray(img, dtype=np.float64) / 257.0)
+    img = Image.fromarray(np.clip(grey, 0, 255).astype(np.uint8), "L")
   if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
     rgba = img.convert("RGBA")
     white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))

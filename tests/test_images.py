@@ -79,6 +79,17 @@ def test_modes_and_transparency():
   np.testing.assert_array_equal(rgb_from_gray[..., 0], rgb_from_gray[..., 2])
 
 
+def test_sixteen_bit_grey_is_scaled_not_clipped():
+  """Pillow opens it as I;16 / I and convert('L') clipped at 255: every such image was white."""
+  levels = np.array([[0, 1000, 32768, 65535]], np.uint16).repeat(4, axis=0)
+  png = _encode(Image.fromarray(levels), "PNG")
+  assert Image.open(io.BytesIO(png)).mode.startswith("I")
+  got = decode_image(png, 4, channels=1)[..., 0]  # the same size: no resampling
+  np.testing.assert_allclose(got, np.rint(levels / 257.0) / 255.0, rtol=0, atol=1e-7)
+  mid = _encode(Image.fromarray(np.full((8, 8), 32768, np.uint16)), "PNG")
+  np.testing.assert_allclose(decode_image(mid, 4), 128 / 255, rtol=0, atol=1e-6)  # was 1.0 (white)
+
+
 def test_animated_gif_first_frame():
   frames = [Image.new("RGB", (5, 5), c) for c in [(255, 0, 0), (0, 0, 255)]]
   buf = io.BytesIO()
