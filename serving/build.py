@@ -38,7 +38,10 @@ def build_engine(config: Any, checkpoint: str | None = None, step: int | None = 
     model = build_model(cfg, seed=0)
   path = s.tokenizer or (run.get("data") or {}).get("tokenizer") or default_tokenizer_path(
       run.get("variant") or config.get("variant", "tiny"))
-  tokenizer = load_tokenizer(path, model_vocab_size=cfg.vocab_size, image_token_id=cfg.image_token_id)
+  field = ("--config.serving.tokenizer" if s.tokenizer else
+           "--config.serving.tokenizer (this one is the checkpoint run's config.data.tokenizer)")
+  tokenizer = load_tokenizer(path, model_vocab_size=cfg.vocab_size, image_token_id=cfg.image_token_id,
+                             field=field)
   return Engine(model, tokenizer, slots=s.slots, max_context=s.max_context,
                 prefill_chunk=s.prefill_chunk, seed=s.seed, max_queue=s.max_queue,
                 prefix_cache_mb=s.prefix_cache_mb, prefix_cache_block=s.prefix_cache_block,

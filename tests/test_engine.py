@@ -448,3 +448,6 @@ def test_build_engine_from_checkpoint(engine, tmp_path):
                                jax.tree_util.tree_leaves_with_path(got), strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(path))
   assert loaded.tokenizer.image_id == engine.cfg.image_token_id
+  config.serving.tokenizer = str(tmp_path / "missing.json")  # the error named --config.data.tokenizer
+  with pytest.raises(FileNotFoundError, match="missing.json. does not exist.*--config.serving.tokenizer at"):
+    build_engine(config, str(tmp_path / "ckpt"))

@@ -342,7 +342,7 @@ def tokenizer_from_bytes(data: bytes, path: str = "<bytes>", model_vocab_size: i
 
 
 def load_tokenizer(path: str, model_vocab_size: int | None = None,
-                   image_token_id: int | None = None) -> Tokenizer:
+                   image_token_id: int | None = None, field: str = "--config.data.tokenizer") -> Tokenizer:
   """Loads a tokenizer.json or tiktoken rank file (local path or URL, e.g. gs://).
 
   The format is detected from the content. A directory holding a
@@ -352,6 +352,7 @@ def load_tokenizer(path: str, model_vocab_size: int | None = None,
     path: the file (or a folder with tokenizer.json).
     model_vocab_size: if given, the tokenizer's ids must fit the embedding.
     image_token_id: if given, must equal the tokenizer's <|image|> id.
+    field: the setting that names `path`, for the error (the server's is config.serving.tokenizer).
 
   Raises:
     FileNotFoundError: `path` does not exist.
@@ -363,7 +364,7 @@ def load_tokenizer(path: str, model_vocab_size: int | None = None,
   if not p.exists() or p.is_dir():
     raise FileNotFoundError(
         f"tokenizer file {str(path)!r} does not exist. Create one with `{_CREATE_HINT}`, or point "
-        "--config.data.tokenizer at an existing tokenizer.json / .tiktoken file.")
+        f"{field} at an existing tokenizer.json / .tiktoken file.")
   return tokenizer_from_bytes(p.read_bytes(), str(p), model_vocab_size, image_token_id)
 
 
