@@ -47,8 +47,9 @@ def extract_answer(final_text: str) -> str:
 
 
 def normalize(text: str) -> str:
-  """Whitespace, surrounding quotes and a trailing full stop dropped; lower case."""
-  s = str(text).strip()
+  """Whitespace, surrounding quotes and a trailing full stop dropped; lower case; a Unicode minus
+  sign (U+2212, as typeset maths writes it) read as '-'."""
+  s = str(text).strip().replace("\u2212", "-")
   while True:
     before = s
     if s.endswith("."):

@@ -199,7 +199,9 @@ class Browser:
     if name == "search":
       return self.search(arguments["query"])
     if name == "open":
-      return self.open(arguments["url"], arguments.get("page", 0))
+      page = arguments.get("page", 0)
+      # JSON Schema's "integer" admits 1.0, which then failed as a list index inside the tool.
+      return self.open(arguments["url"], int(page) if isinstance(page, float) else page)
     if name == "find":
       return self.find(arguments["text"])
     raise ToolError(f"unknown tool {name!r}; the tools are search, open, find")

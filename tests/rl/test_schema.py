@@ -214,6 +214,7 @@ def test_extract_answer(text, expected):
     ("$ 12", 12, answers.MATH_REL_TOL, True),
     ("45 %", "45", answers.MATH_REL_TOL, True),
     ("- 3", -3, answers.MATH_REL_TOL, True),
+    ("\u22125", -5, answers.MATH_REL_TOL, True),  # a typeset minus sign
     ("3 / 4", 0.75, answers.MATH_REL_TOL, True),
     # Thousands of digits: int() refused them (ValueError) and the episode's grade crashed.
     ("1" * 5000 + "/1", 5, answers.MATH_REL_TOL, False),

@@ -72,6 +72,7 @@ def test_long_documents_are_paged(env):
   assert n > 1 and f"page 0 of {n}" in first and "page=1" in first
   last = _call(env, "open", url="https://t.local/Gamma", page=n - 1).content
   assert f"page {n - 1} of {n}" in last and "- Founded: 1801" in last
+  assert _call(env, "open", url="https://t.local/Gamma", page=float(n - 1)).content == last  # JSON's 1.0
 
 
 def test_find_searches_the_whole_open_document(env):
