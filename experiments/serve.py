@@ -34,7 +34,9 @@ _CONFIG = config_flags.DEFINE_config_file(
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Checkpoint directory of the pretraining launcher; "
                                   "unset: a randomly initialised model from the config.")
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "Interface to bind (0.0.0.0: all).")
-_PORT = flags.DEFINE_integer("port", 8000, "TCP port.")
+# Bounded: absl refuses --port=70000 with a usage error at parse time, before the model loads
+# (unbounded, the socket layer silently binds 70000 mod 65536).
+_PORT = flags.DEFINE_integer("port", 8000, "TCP port (0-65535).", lower_bound=0, upper_bound=65535)
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/horizon_serve", "INFO logs go to <workdir>/logs.")
 
 

@@ -17,6 +17,8 @@ import numpy as np
 
 from serving.handle import Request, RequestError
 
+TOP_K_MAX = 2**31 - 1  # the engine's top_k is int32 (serving/batch.py: sampling_args)
+
 
 def validate_engine_args(model_cfg: Any, *, slots: int, max_context: int, prefill_chunk: int,
                          max_queue: int, decode_steps: int = 1) -> None:
@@ -63,8 +65,8 @@ def validate_request(request: Request, *, max_context: int, vocab_size: int, mod
     raise RequestError(f"temperature={p.temperature} must be >= 0 (0 = greedy).", "temperature")
   if not 0 < p.top_p <= 1:
     raise RequestError(f"top_p={p.top_p} must be in (0, 1].", "top_p")
-  if not isinstance(p.top_k, int) or p.top_k < 0:
-    raise RequestError(f"top_k={p.top_k!r} must be an int >= 0 (0 = off).", "top_k")
+  if not isinstance(p.top_k, int) or not 0 <= p.top_k <= TOP_K_MAX:
+    raise RequestError(f"top_k={p.top_k!r} must be an int in [0, {TOP_K_MAX}] (0 = off).", "top_k")
   if p.seed is not None and not isinstance(p.seed, (int, np.integer)):
     raise RequestError(f"seed={p.seed!r} must be an int (or None).", "seed")
   if any(not 0 <= t < vocab_size for t in p.stop_token_ids):

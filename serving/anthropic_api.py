@@ -242,6 +242,9 @@ async def _parse(request: fastapi.Request, ctx: ServerContext, *, count_only: bo
     body = await request.json()
   except (json.JSONDecodeError, UnicodeDecodeError) as e:
     raise APIError(400, f"The request body is not valid JSON: {e}.") from None
+  except RecursionError:  # deeper than the JSON decoder goes (about 1000 levels)
+    raise APIError(400, "The request body nests values too deeply for the JSON decoder; nest them at "
+                   "most a few hundred levels deep.") from None
   try:  # off the event loop: image decoding and HMACs over long histories take a while
     req = await run_in_threadpool(parse_request, body, serving=ctx.limits, key=ctx.signing_key,
                                   decode_image=_image_decoder(ctx), count_only=count_only)

@@ -262,8 +262,12 @@ def _assistant_turn(turn: _Turn, key: bytes) -> tuple[Message, dict[str, str]]:
     elif isinstance(block, TextBlock):
       parts.append(TextPart(block.text))
     elif isinstance(block, ToolUseBlock):
-      calls.append(ToolCall(id=block.id, name=block.name,
-                            arguments=json.dumps(block.input, ensure_ascii=False)))
+      try:
+        arguments = json.dumps(block.input, ensure_ascii=False)
+      except RecursionError:
+        _fail(_join(path, "input"), "nested too deeply to encode as JSON; nest it at most a few hundred "
+              "levels deep")
+      calls.append(ToolCall(id=block.id, name=block.name, arguments=arguments))
     elif isinstance(block, ImageBlock):
       _fail(_join(path, "type"), "image blocks are only allowed in user messages")
     else:

@@ -35,6 +35,8 @@ import pydantic
 from pydantic import AfterValidator, Discriminator, StringConstraints, Tag
 from pydantic_core import PydanticCustomError
 
+from serving.admission import TOP_K_MAX
+
 
 def _check(ok, message: str) -> AfterValidator:
   """A validator that refuses values for which `ok(value)` is false with `message`."""
@@ -255,8 +257,22 @@ class OutputConfig(_Body):
 
 Temperature = Annotated[float, _check(lambda t: 0.0 <= t <= 1.0, "Input should be between 0 and 1")]
 TopP = Annotated[float, _check(lambda p: 0.0 < p <= 1.0, "Input should be greater than 0 and at most 1")]
-StopSequence = Annotated[Any, _check(lambda s: isinstance(s, str) and bool(s.strip()),
-                                     "each stop sequence must be a string with non-whitespace characters")]
+# Every running row scans its stop sequences at each token (on the engine thread): both are capped.
+MAX_STOP_SEQUENCES = 16
+MAX_STOP_SEQUENCE_CHARS = 256
+
+
+def _stop_sequence(value: Any) -> Any:
+  if not isinstance(value, str) or not value.strip():
+    raise PydanticCustomError("value_error",
+                              "each stop sequence must be a string with non-whitespace characters")
+  if len(value) > MAX_STOP_SEQUENCE_CHARS:
+    raise PydanticCustomError("value_error", f"each stop sequence must be at most {MAX_STOP_SEQUENCE_CHARS} "
+                              f"characters, got {len(value)}.")
+  return value
+
+
+StopSequence = Annotated[Any, AfterValidator(_stop_sequence)]
 
 
 class CountTokensRequest(_Body):
@@ -275,7 +291,7 @@ class CountTokensRequest(_Body):
   metadata: dict[str, Any] | None = None  # accepted and ignored (user_id is for Anthropic's abuse detection)
   temperature: Temperature = 1.0
   top_p: TopP = 1.0
-  top_k: int = pydantic.Field(0, ge=0)
+  top_k: int = pydantic.Field(0, ge=0, le=TOP_K_MAX)
   stop_sequences: list[StopSequence] = []
   stream: bool = False
 
@@ -283,6 +299,15 @@ class CountTokensRequest(_Body):
   @classmethod
   def _string_is_text(cls, value: Any) -> Any:
     return _as_blocks(value, "text blocks", empty_is_none=True)
+
+  @pydantic.field_validator("stop_sequences", mode="before")
+  @classmethod
+  def _few_stop_sequences(cls, value: Any) -> Any:
+    # Before the items are validated: a million of them is refused at once.
+    if isinstance(value, list) and len(value) > MAX_STOP_SEQUENCES:
+      raise PydanticCustomError("value_error", f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed, "
+                                f"got {len(value)}.")
+    return value
 
   @pydantic.field_validator("tools")
   @classmethod

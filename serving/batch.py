@@ -39,6 +39,7 @@ import numpy as np
 from flax import nnx
 
 from model.decoder import reset_cache_rows
+from serving.admission import TOP_K_MAX
 from serving.handle import Handle
 from serving.sampling import sample_rows
 from serving.types import SamplingParams, TokenProcessor
@@ -129,13 +130,18 @@ def compile_programs(graphdef: nnx.GraphDef) -> dict[str, Callable]:
 
 def sampling_args(slots: Sequence[Slot | None], rows: Sequence[int]) -> tuple[np.ndarray, ...]:
   """[S] per-row inputs of serving.sampling.sample_row for `rows` (zeros elsewhere): temperature,
-  top_k, top_p, the seed's low and high words, tokens generated so far."""
+  top_k, top_p, the seed's low and high words, tokens generated so far.
+
+  top_k is clamped to int32 (sample_row keeps every token for a top_k >= the vocabulary), so no
+  row's value can overflow and fail the whole step, every running request with it.
+  """
   n = len(slots)
   temp, top_k, top_p = np.zeros(n, np.float32), np.zeros(n, np.int32), np.ones(n, np.float32)
   lo, hi, n_gen = (np.zeros(n, np.uint32) for _ in range(3))
   for i in rows:
     s = slots[i]
-    temp[i], top_k[i], top_p[i] = s.params.temperature, s.params.top_k, s.params.top_p
+    temp[i], top_p[i] = s.params.temperature, s.params.top_p
+    top_k[i] = min(max(int(s.params.top_k), 0), TOP_K_MAX)
     lo[i], hi[i], n_gen[i] = s.seed & 0xFFFFFFFF, s.seed >> 32, len(s.generated)
   return temp, top_k, top_p, lo, hi, n_gen
 

@@ -247,6 +247,9 @@ def _check_calls(i: int, m: Message, calls: dict[str, ToolCall]) -> None:
     except json.JSONDecodeError as e:
       raise ValueError(f"{where}.arguments: not valid JSON ({e.msg} at char {e.pos}); expected a "
                        "JSON object as text, e.g. '{\"city\": \"Paris\"}'.") from None
+    except RecursionError:
+      raise ValueError(f"{where}.arguments: nested too deeply for the JSON decoder; nest values at most "
+                       "a few hundred levels deep.") from None
     if not isinstance(args, dict):
       raise ValueError(f"{where}.arguments: expected a JSON object as text, e.g. '{{\"city\": "
                        f"\"Paris\"}}', got {call.arguments!r:.80}.")

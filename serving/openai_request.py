@@ -40,6 +40,7 @@ from typing import Any, Literal
 import pydantic
 
 from serving import images as images_lib
+from serving.admission import TOP_K_MAX
 from serving.api_common import resolve_tool_choice
 from serving.errors import APIError
 from serving.types import ImagePart, Message, Part, ResponseFormat, TextPart, Tool, ToolCall, ToolChoice
@@ -104,7 +105,7 @@ class _Sampling(_Body):
   model: str
   temperature: float | None = pydantic.Field(None, ge=0.0, le=2.0)
   top_p: float | None = pydantic.Field(None, gt=0.0, le=1.0)
-  top_k: int | None = pydantic.Field(None, ge=0)  # an extension (vLLM, SGLang accept it too)
+  top_k: int | None = pydantic.Field(None, ge=0, le=TOP_K_MAX)  # an extension (vLLM, SGLang accept it too)
   seed: int | None = None
   stop: str | list[str] | None = None
   n: int = pydantic.Field(1, ge=1, le=MAX_N)

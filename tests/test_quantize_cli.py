@@ -202,6 +202,15 @@ def test_bad_inputs_name_the_field_and_leave_nothing(ckpts, tmp_path):
   assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
+def test_out_that_is_a_file_is_refused(tmp_path):
+  """--out naming an existing file is a CheckpointError naming --out (not a NotADirectoryError)."""
+  out = tmp_path / "out.txt"
+  out.write_text("x")
+  with pytest.raises(CheckpointError, match=r"--out=.*out\.txt is a file; choose a new directory"):
+    quantize.convert(str(tmp_path), str(out))  # the output is checked before the input is read
+  assert out.read_text() == "x" and sorted(p.name for p in tmp_path.iterdir()) == ["out.txt"]
+
+
 def test_launcher_prints_the_table_and_a_json_line(ckpts, tmp_path):
   src, _ = ckpts["mixed"]
   out = tmp_path / "mx"

@@ -409,6 +409,26 @@ def test_errors_in_anthropic_shape(client, server_url):
   assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 
 
+def test_bad_sampling_and_deep_bodies_are_400s_naming_the_field(client, server_url):
+  """A huge top_k, a million stop sequences and a body nested 5000 deep are 400s naming the field;
+  none reaches the engine (a top_k past int32 used to end every running request with a 500)."""
+  post = lambda body: httpx.post(server_url + "/v1/messages", headers={"x-api-key": KEY}, json=body,
+                                 timeout=60)
+  body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]}
+  r = post({**body, "top_k": 2**31})
+  assert r.status_code == 400 and r.json()["error"]["message"].startswith("top_k: "), r.text
+  r = post({**body, "stop_sequences": ["a"] * 1_000_000})
+  assert r.status_code == 400 and r.json()["error"]["message"].startswith("stop_sequences: at most 16")
+  deep = b'{"model": "horizon-tiny", "max_tokens": 2, "metadata": {"a": ' + b"[" * 5000 + b"]" * 5000
+  r = httpx.post(server_url + "/v1/messages", headers={"x-api-key": KEY, "content-type": "application/json"},
+                 content=deep + b'}, "messages": [{"role": "user", "content": "x"}]}', timeout=60)
+  assert r.status_code == 400, r.text
+  assert r.json()["error"] == {"type": "invalid_request_error",
+                               "message": r.json()["error"]["message"]}
+  assert "nests values too deeply for the JSON decoder" in r.json()["error"]["message"], r.text
+  assert _create(client, max_tokens=2, messages=[{"role": "user", "content": "x"}]).content is not None
+
+
 def test_auth(server_url):
   bad = anthropic.Anthropic(base_url=server_url, api_key="wrong", max_retries=0)
   with pytest.raises(anthropic.AuthenticationError) as e:

@@ -245,6 +245,17 @@ def test_completions(client):
   assert [c.index for c in two.choices] == [0, 1, 2, 3]
 
 
+def test_completions_refuse_top_k_beyond_int32(client):
+  """A top_k past int32 is a 400 naming top_k; it used to reach the engine step and end every running
+  request with a 500."""
+  with pytest.raises(openai.BadRequestError) as e:
+    client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"top_k": 2**31})
+  err = _error(e)
+  assert err["param"] == "top_k" and "2147483647" in err["message"], err
+  ok = client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"top_k": 2**31 - 1})
+  assert ok.usage.completion_tokens <= 2
+
+
 def test_models(client, server_url):
   (model,) = client.models.list().data
   assert model.id == "horizon-tiny" and model.object == "model" and model.owned_by
@@ -278,6 +289,11 @@ def test_models(client, server_url):
      "messages[0].content[8]"),
     (dict(messages=[{"role": "tool", "content": "x", "tool_call_id": "call_missing"}]),
      "messages[0].tool_call_id"),
+    (dict(messages=_user("hi"), extra_body={"top_k": 2**31}), "top_k"),
+    (dict(messages=[*_user("hi"), {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "[" * 1100}}]},
+        {"role": "tool", "content": "r", "tool_call_id": "call_1"}], tools=[TOOL]),
+     "messages[1].tool_calls[0].arguments"),
 ])
 def test_errors_name_the_param(client, kw, param):
   with pytest.raises(openai.BadRequestError) as e:

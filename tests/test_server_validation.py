@@ -7,11 +7,21 @@ custom messages naming the field), so agent middleware keeps reading them.
 serving/errors.py formats the first pydantic error in each vendor's words.
 """
 
+import subprocess
+import sys
+import time
+import types
+
+import numpy as np
 import pytest
 
 from serving import images
+from serving.admission import validate_request
 from serving.anthropic_request import InvalidRequest, parse_request
+from serving.batch import sampling_args
 from serving.errors import loc_to_param, validation_message
+from serving.handle import Request, RequestError
+from serving.types import SamplingParams
 
 USER = [{"role": "user", "content": "x"}]
 TOOL = {"name": "f", "input_schema": {"type": "object"}}
@@ -67,8 +77,12 @@ def _body(messages=USER, **kw):
     (_body(temperature=True), "temperature: Input should be a valid number"),
     (_body(top_p=0), "top_p: Input should be greater than 0 and at most 1"),
     (_body(top_k=-1), "top_k: Input should be greater than or equal to 0"),
+    (_body(top_k=2**31), "top_k: Input should be less than or equal to 2147483647"),
     (_body(stop_sequences=["a", " "]),
      "stop_sequences.1: each stop sequence must be a string with non-whitespace characters"),
+    (_body(stop_sequences=["a"] * 17), "stop_sequences: at most 16 stop sequences are allowed, got 17"),
+    (_body(stop_sequences=["a", "b" * 257]),
+     "stop_sequences.1: each stop sequence must be at most 256 characters, got 257"),
     (_body(stream=1), "stream: Input should be a valid boolean"),
     (_body(metadata=[]), "metadata: Input should be a valid dictionary"),
     ([1], "the request body must be a JSON object"),
@@ -91,6 +105,61 @@ def test_anthropic_nulls_defaults_and_count_tokens(serve_config):
   # A string system prompt is one text block; an empty one is no system message.
   assert _parse(serve_config, _body(system="S")).messages[0].content[0].text == "S"
   assert [m.role for m in _parse(serve_config, _body(system="")).messages] == ["user"]
+
+
+def test_anthropic_stop_sequences_are_capped(serve_config):
+  """A million stop sequences are refused at once (the engine thread would scan each at every token)."""
+  start = time.monotonic()
+  with pytest.raises(InvalidRequest) as e:
+    _parse(serve_config, _body(stop_sequences=["a"] * 1_000_000))
+  assert e.value.message == "stop_sequences: at most 16 stop sequences are allowed, got 1000000."
+  assert time.monotonic() - start < 5
+  most = ["s" * 255 + str(i % 10) for i in range(16)]
+  assert _parse(serve_config, _body(stop_sequences=most)).stop == most
+
+
+def test_anthropic_deeply_nested_tool_use_input_is_refused(serve_config):
+  """A tool_use input nested too deeply to re-encode is a 400 naming it, not a RecursionError."""
+  deep = []
+  for _ in range(5000):  # deeper than json.dumps goes
+    deep = [deep]
+  messages = [{"role": "user", "content": "x"},
+              {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f",
+                                                 "input": {"a": deep}}]},
+              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "r"}]}]
+  with pytest.raises(InvalidRequest) as e:
+    _parse(serve_config, _body(messages, tools=[TOOL]))
+  assert e.value.message.startswith("messages.1.content.0.input: nested too deeply"), e.value.message
+  assert e.value.status == 400
+
+
+def test_top_k_beyond_int32_is_refused_by_the_shared_validation(tiny_cfg):
+  """The engine's own check (both APIs and direct Engine users) bounds top_k to int32."""
+  def check(top_k):
+    validate_request(Request([1, 2], SamplingParams(max_tokens=4, top_k=top_k)), max_context=64,
+                     vocab_size=tiny_cfg.vocab_size, model_cfg=tiny_cfg, has_vision=False)
+  check(2**31 - 1)
+  with pytest.raises(RequestError) as e:
+    check(2**31)
+  assert e.value.param == "top_k" and "[0, 2147483647]" in str(e.value)
+
+
+def test_sampling_args_clamps_top_k():
+  """No row's top_k can raise in the engine step: it is clamped to [0, int32's max]."""
+  def slot(top_k):
+    return types.SimpleNamespace(params=SamplingParams(max_tokens=4, temperature=0.5, top_k=top_k),
+                                 seed=3, generated=[])
+  slots = [slot(2**31), slot(10**30), slot(-(2**40)), slot(7), None]
+  top_k = sampling_args(slots, [0, 1, 2, 3])[1]
+  assert top_k.dtype == np.int32 and top_k.tolist() == [2**31 - 1, 2**31 - 1, 0, 7, 0]
+
+
+def test_serve_refuses_a_port_out_of_range():
+  """--port=70000 is a usage error naming --port before the model loads (not a bind to port 4464)."""
+  r = subprocess.run([sys.executable, "-m", "experiments.serve", "--port=70000"], capture_output=True,
+                     text=True, timeout=120)
+  assert r.returncode != 0 and "--port=70000" in r.stderr and "[0, 65535]" in r.stderr, r.stderr[-2000:]
+  assert "loading" not in r.stdout
 
 
 def test_error_locations_in_each_vendors_style():

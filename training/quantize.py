@@ -53,6 +53,8 @@ class Converted:
 
 
 def _check_out(out: epath.Path) -> None:
+  if out.exists() and not out.is_dir():
+    raise CheckpointError(f"--out={out} is a file; choose a new directory (nothing was written).")
   if out.exists() and any(out.iterdir()):
     raise CheckpointError(f"--out={out} exists and is not empty; choose a new directory "
                           "(nothing was written).")
