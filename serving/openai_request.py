@@ -5,7 +5,8 @@ validation error into OpenAI's `{"error": {..., "param": "messages[0].role"}}`
 with status 400, as OpenAI answers; serving/errors.py words the first error,
 for this API and the Anthropic one alike). Unknown fields are accepted and ignored
 (clients send `user`, `metadata`, `store`, ...); features this server does
-not have (logprobs, `suffix`, `best_of` > n)
+not have (logprobs, `suffix`, `best_of` > n, logit_bias, penalties, `functions`,
+`parallel_tool_calls=false`)
 are refused with a 400 naming the field rather than silently ignored.
 
 Types are strict, as in the Anthropic schema (serving/anthropic_schema.py):
@@ -146,17 +147,35 @@ def stop_strings(stop: str | list[str] | None) -> list[str]:
   return stops
 
 
+# (field, is it a use of something this server lacks (value, body), the 400's message)
+_UNSUPPORTED = (
+    ("logprobs", lambda v, b: v not in (None, False, 0),
+     "logprobs are not supported by this server; leave `logprobs` unset."),
+    ("top_logprobs", lambda v, b: v not in (None, 0),
+     "top_logprobs needs logprobs, which this server does not support; leave it unset."),
+    ("logit_bias", lambda v, b: bool(v), "logit_bias is not supported by this server; leave it unset."),
+    ("frequency_penalty", lambda v, b: v not in (None, 0),
+     "frequency_penalty is not supported by this server; leave it unset or 0."),
+    ("presence_penalty", lambda v, b: v not in (None, 0),
+     "presence_penalty is not supported by this server; leave it unset or 0."),
+    ("functions", lambda v, b: v is not None, "functions is not supported; use `tools` and `tool_choice`."),
+    ("function_call", lambda v, b: v is not None,
+     "function_call is not supported; use `tools` and `tool_choice`."),
+    ("parallel_tool_calls", lambda v, b: v is False, "parallel_tool_calls=false is not supported: the model "
+     "may call several tools in one turn; leave it unset or true."),
+    ("suffix", lambda v, b: bool(v), "suffix (insertion) is not supported by this server."),
+    ("best_of", lambda v, b: v not in (None, 1, b.n),
+     "best_of > n is not supported (it needs logprobs to rank candidates); use n."),
+)
+
+
 def refuse_unsupported(body: _Sampling) -> None:
-  """400 for features the server does not implement (never silently ignored)."""
-  if body.logprobs not in (None, False, 0):
-    raise APIError(400, "logprobs are not supported by this server; leave `logprobs` unset.",
-                   param="logprobs")
-  if isinstance(body, CompletionRequest):
-    if body.suffix:
-      raise APIError(400, "suffix (insertion) is not supported by this server.", param="suffix")
-    if body.best_of not in (None, 1, body.n):
-      raise APIError(400, "best_of > n is not supported (it needs logprobs to rank candidates); "
-                     "use n.", param="best_of")
+  """400 for features the server does not implement (never silently ignored), declared or not:
+  unknown fields are accepted, so `logit_bias` or the penalties would otherwise do nothing."""
+  fields = {**(body.model_extra or {}), **{k: getattr(body, k) for k in type(body).model_fields}}
+  for name, unsupported, message in _UNSUPPORTED:
+    if name in fields and unsupported(fields[name], body):
+      raise APIError(400, message, param=name)
 
 
 # ------------------------------------------------------------------- tools --

@@ -256,6 +256,17 @@ def test_completions_refuse_top_k_beyond_int32(client):
   assert ok.usage.completion_tokens <= 2
 
 
+def test_neutral_values_of_unsupported_fields_are_accepted(client):
+  """What clients send by default (0 penalties, empty logit_bias, parallel_tool_calls true) works."""
+  ok = client.chat.completions.create(model=MODEL, messages=_user("hi"), max_tokens=1, frequency_penalty=0,
+                                      presence_penalty=0.0, logit_bias={}, parallel_tool_calls=True,
+                                      tools=[TOOL], logprobs=False)
+  assert ok.usage.completion_tokens <= 1
+  with pytest.raises(openai.BadRequestError) as e:
+    client.completions.create(model=MODEL, prompt="x", max_tokens=1, suffix="y")
+  assert _error(e)["param"] == "suffix"
+
+
 def test_models(client, server_url):
   (model,) = client.models.list().data
   assert model.id == "horizon-tiny" and model.object == "model" and model.owned_by
@@ -294,6 +305,15 @@ def test_models(client, server_url):
         {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "[" * 1100}}]},
         {"role": "tool", "content": "r", "tool_call_id": "call_1"}], tools=[TOOL]),
      "messages[1].tool_calls[0].arguments"),
+    # Accepted and silently ignored before: the reply was what the request had asked to change.
+    (dict(messages=_user("hi"), logit_bias={"280": -100}), "logit_bias"),
+    (dict(messages=_user("hi"), frequency_penalty=2), "frequency_penalty"),
+    (dict(messages=_user("hi"), presence_penalty=-1), "presence_penalty"),
+    (dict(messages=_user("hi"), extra_body={"functions": [{"name": "f", "parameters": {}}]}), "functions"),
+    (dict(messages=_user("hi"), extra_body={"function_call": "auto"}), "function_call"),
+    (dict(messages=_user("hi"), top_logprobs=5), "top_logprobs"),
+    (dict(messages=_user("hi"), tools=[TOOL], parallel_tool_calls=False), "parallel_tool_calls"),
+    (dict(messages=_user("hi"), logprobs=True), "logprobs"),
 ])
 def test_errors_name_the_param(client, kw, param):
   with pytest.raises(openai.BadRequestError) as e:
