@@ -251,8 +251,10 @@ def _user_turn(turn: _Turn, pending: dict[str, str], decode: ImageDecoder) -> li
   return out
 
 
-def _assistant_turn(turn: _Turn, key: bytes) -> tuple[Message, dict[str, str]]:
-  """The assistant message and its {tool_use id: tool name}."""
+def _assistant_turn(turn: _Turn, key: bytes, used: set[str]) -> tuple[Message, dict[str, str]]:
+  """The assistant message and its {tool_use id: tool name}; `used` collects the conversation's
+  tool_use ids (a repeated one is refused here, by its Anthropic path: the renderer's own check
+  would name the chat format's messages[i].tool_calls[j] instead)."""
   thinking: list[str] = []
   parts: list[Part] = []
   calls: list[ToolCall] = []
@@ -262,6 +264,10 @@ def _assistant_turn(turn: _Turn, key: bytes) -> tuple[Message, dict[str, str]]:
     elif isinstance(block, TextBlock):
       parts.append(TextPart(block.text))
     elif isinstance(block, ToolUseBlock):
+      if block.id in used:
+        _fail(_join(path, "id"), f"tool_use id {block.id!r} is used by an earlier tool_use block; give each "
+              "tool_use its own id")
+      used.add(block.id)
       try:
         arguments = json.dumps(block.input, ensure_ascii=False)
       except RecursionError:
@@ -322,12 +328,13 @@ def convert_messages(messages: list[InputMessage], *, key: bytes, decode_image: 
     _check_final_thinking(turns)
   out: list[Message] = []
   pending: dict[str, str] = {}
+  used: set[str] = set()
   for turn in turns:
     if turn.role == "user":
       out.extend(_user_turn(turn, pending, decode_image))
       pending = {}
     else:
-      message, pending = _assistant_turn(turn, key)
+      message, pending = _assistant_turn(turn, key, used)
       out.append(message)
   trigger = any(isinstance(p, TextPart) and signing.REDACTED_THINKING_TRIGGER in p.text
                 for m in out if m.role == "user" for p in m.content)

@@ -57,6 +57,14 @@ def _body(messages=USER, **kw):
     (_body([{"role": "user", "content": "x"}, {"role": "assistant", "content": [
         {"type": "tool_use", "id": "a b", "name": "f", "input": {}}]}, {"role": "user", "content": "y"}]),
      "messages.1.content.0.id: String should match pattern '^[a-zA-Z0-9_-]+$'"),
+    # A reused tool_use id was named by the renderer as 'messages[4].tool_calls[0].id'.
+    (_body([{"role": "user", "content": "x"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "r"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "again"},
+                                              {"type": "tool_use", "id": "t1", "name": "f", "input": {}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "r"}]}]),
+     "messages.3.content.1.id: tool_use id 't1' is used by an earlier tool_use block"),
     (_body(system=[{"type": "text", "text": ""}]), "system.0.text: text content blocks must be non-empty"),
     (_body(tools=[TOOL, TOOL]), "tools: Tool names must be unique."),
     (_body(tools=[{"name": "f", "input_schema": {"type": "array"}}]),
