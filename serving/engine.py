@@ -394,7 +394,7 @@ class Engine:
   def _decode(self, call: decode_loop.Call) -> None:
     """One decode call (serving/decode_loop.py); delivers each row's tokens in order."""
     rows, call = decode_loop.select_rows(call, self.decode_buckets)
-    mask = self._all_allowed[len(rows)] if call.mask is None else jnp.asarray(call.mask)
+    mask = self._all_allowed[len(rows)] if call.mask is None else jax.device_put(call.mask)
     tokens, logprobs, counts, routed, self._cache = self._fns["decode_loop"](
         self._state, self._cache, rows, *call.head, *call.sampling, mask, call.forced, *call.tail,
         np.int32(call.max_steps))
@@ -420,7 +420,7 @@ class Engine:
     from_prefill = np.isin(np.arange(self.slots), rows)
     tokens, logprobs = self._fns["sample"](
         logits, logits, from_prefill, temp, top_k, top_p,
-        self._all_allowed[self.slots] if masks is None else jnp.asarray(masks), forced, lo, hi, n_gen)
+        self._all_allowed[self.slots] if masks is None else jax.device_put(masks), forced, lo, hi, n_gen)
     tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
     for i in rows:
       if self._rows[i].handle._capture_logits:
