@@ -40,7 +40,13 @@ from sharding import rules as rules_lib
 from sharding.state import create_sharded_model
 from training import batches as batches_lib
 from training import metrics as metrics_lib
-from training.checkpoint import Checkpointer, CheckpointNotFoundError, read_meta, restore_params
+from training.checkpoint import (
+  Checkpointer,
+  CheckpointNotFoundError,
+  read_meta,
+  restore_params,
+  stored_model_config,
+)
 from training.knobs import check_int_knobs
 from training.train_step import (
   TrainConfig,
@@ -117,12 +123,11 @@ def check_resume(config, cfg: ModelConfig, run_checkpoints: Any) -> None:
   if config.train.steps < step:
     raise ValueError(f"config.train.steps={config.train.steps} is below step {step} of this run's checkpoint "
                      f"in {run_checkpoints}; raise it to continue the run, or use a new --workdir.")
-  stored = (meta.get("config") or {}).get("model")
-  try:
-    before = dataclasses.asdict(ModelConfig.from_config(stored))
-  except (ConfigError, TypeError, KeyError, AttributeError):  # absent, or from an older config schema
-    logging.warning("cannot compare config.model with %s's stored config; resuming as configured",
-                    run_checkpoints)
+  try:  # the stored config, with fields added since it was written taken from config.model
+    before = dataclasses.asdict(stored_model_config(run_checkpoints, config.model, step))
+  except ConfigError as e:
+    logging.warning("cannot compare config.model with %s's stored config (%s); resuming as configured",
+                    run_checkpoints, e)
     return
   now = dataclasses.asdict(cfg)
   changed = [f"{k} (checkpoint {before[k]!r}, now {now[k]!r})" for k in now
