@@ -8,7 +8,6 @@ through the OpenAI and the Anthropic API: greedy results must be the same episod
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -18,12 +17,16 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import subprocess_env
+
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
 def _run(args, **kw):
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  # One CPU device, as on a user's machine: the SFT config's batch of 4 does not divide the 8 test
+  # devices, which the training loop refuses (every device would compute the whole batch).
+  env = subprocess_env(1)
   out = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=900, **kw)
   assert out.returncode == 0, out.stderr[-3000:]
