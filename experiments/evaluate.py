@@ -22,7 +22,8 @@ from ml_collections import config_flags
 
 from rl.eval import harness
 from rl.eval.run import generated_tasks, run_evaluation
-from rl.tasks.schema import DOMAINS, load_tasks
+from rl.tasks.schema import DOMAINS
+from rl.tasks.task_files import load_tasks
 
 _DEFAULT_CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "sft.py") + ":agent"
 _CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG, "Engine and env settings.",

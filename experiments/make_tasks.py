@@ -14,7 +14,8 @@ from pathlib import Path
 from absl import app, flags
 
 from rl.tasks import generators
-from rl.tasks.schema import DOMAINS, load_tasks, write_tasks
+from rl.tasks.schema import DOMAINS
+from rl.tasks.task_files import load_tasks, write_tasks
 
 _DOMAIN = flags.DEFINE_list("domain", None, f"Domains, comma-separated: {', '.join(DOMAINS)}.", required=True)
 _SPLIT = flags.DEFINE_enum("split", "train", list(generators.SPLITS),

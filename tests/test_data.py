@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from array_record.python import array_record_module
 
-from training import data
+from training import batch_checks, data
 from training.tokenizer import default_tokenizer_path, load_tokenizer
 
 _WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike "
@@ -255,7 +255,7 @@ def test_packing_is_consistent(varied, tok, packing):
   for _ in range(12):
     batch = next(it)
     assert batch["inputs"].shape == (3, 37) and batch["inputs"].dtype == np.int32
-    data.check_batch(batch, tok.eos_id, docs_end_in_row=packing == "concat")
+    batch_checks.check_batch(batch, tok.eos_id, docs_end_in_row=packing == "concat")
     for _, inputs, targets in _segments(batch):
       assert _owner_docs(inputs, targets, docs), "a segment is not a contiguous piece of any document"
     padding += int((batch["segment_ids"] == 0).sum())
@@ -267,7 +267,7 @@ def test_packing_is_consistent(varied, tok, packing):
     bad = {k: v.copy() for k, v in batch.items()}
     edit(bad[key])
     with pytest.raises(data.DataError, match="batch row"):
-      data.check_batch(bad, tok.eos_id)
+      batch_checks.check_batch(bad, tok.eos_id)
 
 
 @pytest.mark.parametrize("packing", data.PACKINGS)

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from training import data, shapes
+from training import batch_checks, shapes
 from training.tokenizer import default_tokenizer_path, load_tokenizer
 
 
@@ -76,7 +76,7 @@ def test_batch_layout_and_mask_covers_exactly_the_answer(tok, tiny_cfg):
   batch = shapes.shapes_batch(shapes.split_rng("train", 9), b, tok, tiny_cfg, seq)
   v = tiny_cfg.vision
   assert batch["images"].shape == (b, 1, v.image_size, v.image_size, 3)
-  data.check_batch({k: batch[k] for k in data.LM_KEYS if k != "loss_mask"} |
+  batch_checks.check_batch({k: batch[k] for k in batch_checks.LM_KEYS if k != "loss_mask"} |
                    {"loss_mask": (batch["segment_ids"] > 0).astype(np.float32)}, tok.eos_id)
   for r in range(b):
     n = int((batch["segment_ids"][r] > 0).sum())

@@ -29,7 +29,8 @@ from typing import Any
 import numpy as np
 
 from rl.tasks import generators
-from rl.tasks.schema import DOMAINS, Task, load_tasks
+from rl.tasks.schema import DOMAINS, Task
+from rl.tasks.task_files import load_tasks
 
 _CHUNK = 64  # generated tasks per stream chunk
 RL_SEED_BASE = 1_000_000  # generator seeds of RL streams start here; SFT's task seeds are small

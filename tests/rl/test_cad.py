@@ -10,7 +10,8 @@ from rl.envs.base import EnvContext, make_env, replay
 from rl.tasks import generators
 from rl.tasks.generators import cad as gen
 from rl.tasks.generators import common
-from rl.tasks.schema import load_tasks, parse_task, write_tasks
+from rl.tasks.schema import parse_task
+from rl.tasks.task_files import load_tasks, write_tasks
 from rl.tools import solids
 from serving.types import ToolCall
 

@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rl.tasks.schema import load_tasks
+from rl.tasks.task_files import load_tasks
 from tests.helpers import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[2]

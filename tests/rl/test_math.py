@@ -10,7 +10,8 @@ from rl.envs.base import EnvContext, make_env, replay
 from rl.tasks import generators
 from rl.tasks.answers import answers_match, extract_answer
 from rl.tasks.generators import math as gen
-from rl.tasks.schema import load_tasks, parse_task, write_tasks
+from rl.tasks.schema import parse_task
+from rl.tasks.task_files import load_tasks, write_tasks
 from serving.types import ToolCall
 
 LEVELS = range(gen.MAX_DIFFICULTY + 1)

@@ -138,7 +138,7 @@ def test_rl_streams_do_not_replay_the_sft_task_set():
 
 def test_file_source(tmp_path):
   from rl.tasks.generators import math as gen
-  from rl.tasks.schema import write_tasks
+  from rl.tasks.task_files import write_tasks
   path = tmp_path / "t.jsonl"
   write_tasks(gen.generate(split="train", difficulty=0, n=3), path)
   s = MixtureSampler({f"file:{path}": 1.0}, {}, seed=0)

@@ -8,7 +8,8 @@ import time
 import pytest
 
 from rl.tasks import answers, schema
-from rl.tasks.schema import TaskError, load_tasks, parse_task, write_tasks
+from rl.tasks.schema import TaskError, parse_task
+from rl.tasks.task_files import load_tasks, write_tasks
 
 VALID = [
   {"id": "m1", "domain": "math", "prompt": "2+2?", "answer": "4"},
