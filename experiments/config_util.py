@@ -32,6 +32,14 @@ def run_app(main) -> None:
   app.run(main, flags_parser=parse)
 
 
+def model_overrides(flag: str = "config", flag_values: flags.FlagValues = flags.FLAGS) -> dict:
+  """The `--config.model.*` fields set on this command line ({'kernels': 'pallas', ...}): what a
+  loaded checkpoint's stored model config takes from the command line
+  (`model.config.with_runtime_overrides`)."""
+  values = config_flags.get_override_values(flag_values[flag])
+  return {k[len("model."):]: v for k, v in values.items() if k.startswith("model.")}
+
+
 def define_distributed_flags():
   """Defines --coordinator_address, --num_processes, --process_id, --local_device_ids and
   --distributed (one process, or many: sharding/distributed.py); returns a function that

@@ -20,6 +20,7 @@ from pathlib import Path
 from absl import app, flags
 from ml_collections import config_flags
 
+from experiments.config_util import model_overrides
 from rl.eval import harness
 from rl.eval.run import generated_tasks, run_evaluation
 from rl.tasks.schema import DOMAINS
@@ -61,7 +62,7 @@ def main(argv):
                        tiers=harness.parse_tiers(_TIERS.value),
                        samples=_SAMPLES.value, concurrency=_CONCURRENCY.value, checkpoint=_CHECKPOINT.value,
                        endpoint=_ENDPOINT.value, api=_API.value, model=_MODEL.value, api_key=_API_KEY.value,
-                       temperature=_TEMPERATURE.value)
+                       temperature=_TEMPERATURE.value, model_overrides=model_overrides())
   print(res["table"])
   print(f"results: {res['results']}  plot: {res['plot']}")
   print(res["json"])

@@ -24,7 +24,7 @@ import uvicorn
 from absl import app, flags
 from ml_collections import config_flags
 
-from experiments.config_util import log_to_workdir
+from experiments.config_util import log_to_workdir, model_overrides
 from serving.build import build_engine
 from serving.server import create_app
 
@@ -54,7 +54,7 @@ def main(argv) -> None:
   log_to_workdir(_WORKDIR.value, "serve")
   _to_console("serving.warmup")
   print(f"loading {_CHECKPOINT.value or 'a random model'} ({config.serving.model_name}) ...", flush=True)
-  engine = build_engine(config, _CHECKPOINT.value).start()
+  engine = build_engine(config, _CHECKPOINT.value, model_overrides=model_overrides()).start()
   print(f"engine: {engine.slots} slots x {engine.max_context} tokens, model {config.serving.model_name}; "
         f"logs in {_WORKDIR.value}/logs", flush=True)
   _to_console("uvicorn.error")  # "Uvicorn running on ..."; the access log goes to the file

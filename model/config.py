@@ -19,6 +19,14 @@ FFN_KINDS = ("dense", "moe")
 _DTYPES = ("float32", "bfloat16", "float16")
 KERNELS = ("auto", "xla", "pallas")
 QUANTIZATIONS = ("none", "experts", "all-linear")
+# Fields that say how loaded weights are computed with (precision, remat, kernels, blocking, the
+# expert exchange) or planned stage changes (the indexer's stage, a longer context), not which
+# weights there are: a resumed run or a served checkpoint may set them; any other field is the
+# checkpoint's.
+RUNTIME_FIELDS = frozenset({
+    "dtype", "remat", "scan_layers", "kernels", "expert_exchange", "capacity_factor",
+    "dsa_query_block", "dsa_key_block", "dsa_dense_len", "delta_chunk_size", "indexer_stage",
+    "max_seq_len"})
 
 
 class ConfigError(ValueError):
@@ -225,3 +233,30 @@ def model_config(config: Any) -> ModelConfig:
     raise ConfigError(f"config {type(config).__name__} has no `model` section; load a configs/*.py "
                       "file, e.g. --config=configs/horizon.py:tiny.")
   return ModelConfig.from_config(config.model)
+
+
+def with_runtime_overrides(cfg: ModelConfig, overrides: Any, source: str) -> ModelConfig:
+  """A checkpoint's `cfg` with the `config.model` fields set on the command line (`overrides`,
+  e.g. {'kernels': 'pallas'}; nested ones as 'vision.image_size') applied where they are
+  RUNTIME_FIELDS. Any other field the weights fix: a different value is refused, naming it,
+  instead of being dropped silently."""
+  fixed, runtime = [], {}
+  for key, value in dict(overrides or {}).items():
+    if key in RUNTIME_FIELDS:
+      runtime[key] = value
+      continue
+    have: Any = cfg
+    for part in key.split("."):
+      have = getattr(have, part, value)
+    if have != value:
+      fixed.append(f"config.model.{key}={value!r} ({source} has {have!r})")
+  if fixed:
+    hint = (" MXFP4 weights come from `python -m experiments.quantize`." if
+            any(f.startswith("config.model.quantization=") for f in fixed) else "")
+    raise ConfigError(f"{'; '.join(fixed)}: the checkpoint's weights fix these fields; drop the flag(s) "
+                      f"(only {', '.join(sorted(RUNTIME_FIELDS))} may differ).{hint}")
+  if not runtime:
+    return cfg
+  out = dataclasses.replace(cfg, **runtime)
+  out.validate()
+  return out

@@ -2,23 +2,29 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from serving.engine import Engine
 
 
-def build_engine(config: Any, checkpoint: str | None = None, step: int | None = None) -> Engine:
+def build_engine(config: Any, checkpoint: str | None = None, step: int | None = None,
+                 model_overrides: Mapping[str, Any] | None = None) -> Engine:
   """An (unstarted) Engine from a serve config (configs/serve.py) and optional checkpoint.
 
   step: the checkpoint's step to load (default: its latest).
 
   With a checkpoint (written by the pretraining launcher), its stored model
-  config wins over `config.model` (the weights decide the shapes); without
-  one, the model is randomly initialised from `config.model` with seed 0.
+  config wins over `config.model` (the weights decide the shapes), except for
+  `model_overrides`: the config.model fields set on the command line
+  (`experiments.config_util.model_overrides()`), applied where they are
+  `model.config.RUNTIME_FIELDS` (dtype, kernels, ...) and refused where they
+  contradict the weights. Without a checkpoint, the model is randomly
+  initialised from `config.model` with seed 0.
   Tokenizer: `config.serving.tokenizer`, else the checkpoint run's
   `data.tokenizer`, else the bundled one of the variant.
   """
-  from model.config import ModelConfig
+  from model.config import ModelConfig, with_runtime_overrides
   from model.decoder import build_model
   from training.checkpoint import load_model, read_meta, stored_model_config
   from training.tokenizer import default_tokenizer_path, load_tokenizer
@@ -30,7 +36,8 @@ def build_engine(config: Any, checkpoint: str | None = None, step: int | None = 
     run = meta.get("config") or {}
     # Fields added since the checkpoint was written come from config.model. One step throughout, so
     # a trainer writing a newer checkpoint meanwhile cannot mix configs and weights.
-    cfg = stored_model_config(checkpoint, config.model, meta["step"])
+    cfg = with_runtime_overrides(stored_model_config(checkpoint, config.model, meta["step"]),
+                                 model_overrides, f"checkpoint {checkpoint} step {meta['step']}")
     model = load_model(checkpoint, cfg, step=meta["step"])
   else:
     cfg = ModelConfig.from_config(config.model)

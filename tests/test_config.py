@@ -1,5 +1,6 @@
 """Every config file and variant parses, validates and builds abstractly."""
 
+import dataclasses
 import glob
 import importlib
 import json
@@ -131,3 +132,35 @@ def test_bad_vision_values_name_the_field(field, value):
   message = f"config.model.vision.{field}={value!r}: must be a positive int"
   with pytest.raises(ConfigError, match=re.escape(message)):
     ModelConfig.from_config(c.model)
+
+
+def test_with_runtime_overrides():
+  """A checkpoint's config takes command-line runtime fields; fields the weights fix are refused by
+  name when they differ (nested ones too) and accepted when they agree."""
+  from model.config import RUNTIME_FIELDS, with_runtime_overrides
+  cfg = ModelConfig.from_config(horizon.get_config("tiny").model)
+  assert with_runtime_overrides(cfg, {}, "ckpt") is cfg
+  out = with_runtime_overrides(cfg, {"delta_chunk_size": 8, "remat": "none", "num_layers": cfg.num_layers},
+                               "ckpt")
+  assert (out.delta_chunk_size, out.remat, out.num_layers) == (8, "none", cfg.num_layers)
+  assert dataclasses.replace(out, delta_chunk_size=cfg.delta_chunk_size, remat=cfg.remat) == cfg
+  with pytest.raises(ConfigError, match=r"num_layers=9 \(ckpt has 4\).*vision.image_size=7 \(ckpt has "):
+    with_runtime_overrides(cfg, {"num_layers": 9, "vision.image_size": 7}, "ckpt")
+  with pytest.raises(ConfigError, match="config.model.remat"):  # a bad runtime value is still checked
+    with_runtime_overrides(cfg, {"remat": "some"}, "ckpt")
+  assert "dtype" in RUNTIME_FIELDS and "d_model" not in RUNTIME_FIELDS
+
+
+def test_model_overrides_reads_the_command_line(monkeypatch):
+  """experiments.config_util.model_overrides: the --config.model.* fields given, nested ones dotted."""
+  from absl import flags
+  from ml_collections import config_flags
+
+  from experiments.config_util import model_overrides
+  fv = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", None, flag_values=fv, lock_config=True)
+  argv = ["prog", "--config=" + os.path.join(ROOT, "configs", "serve.py") + ":tiny",
+          "--config.model.kernels=xla", "--config.serving.slots=3", "--config.model.vision.depth=2"]
+  monkeypatch.setattr(sys, "argv", argv)  # ml_collections reads the overrides from sys.argv
+  fv(argv)
+  assert model_overrides(flag_values=fv) == {"kernels": "xla", "vision.depth": 2}

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from model.config import ConfigError
 from serving.build import build_engine
 from serving.engine import OverloadedError, Request, RequestError
 from serving.types import SamplingParams, TextDelta
@@ -451,3 +452,14 @@ def test_build_engine_from_checkpoint(engine, tmp_path):
   config.serving.tokenizer = str(tmp_path / "missing.json")  # the error named --config.data.tokenizer
   with pytest.raises(FileNotFoundError, match="missing.json. does not exist.*--config.serving.tokenizer at"):
     build_engine(config, str(tmp_path / "ckpt"))
+  # Fields set on the command line: runtime ones apply to the loaded weights (they were dropped
+  # silently); one the weights fix is refused by name, unless it agrees with the checkpoint.
+  config.serving.tokenizer = ""
+  other = "float32" if engine.cfg.dtype != "float32" else "bfloat16"
+  ran = build_engine(config, str(tmp_path / "ckpt"), model_overrides={"dtype": other, "kernels": "xla",
+                                                                      "d_model": engine.cfg.d_model})
+  assert (ran.cfg.dtype, ran.cfg.kernels, ran.cfg.d_model) == (other, "xla", engine.cfg.d_model)
+  with pytest.raises(ConfigError, match=r"config.model.d_model=64 \(checkpoint .* has 56\).*drop the flag"):
+    build_engine(config, str(tmp_path / "ckpt"), model_overrides={"d_model": 64, "kernels": "xla"})
+  with pytest.raises(ConfigError, match="quantization='experts'.*experiments.quantize"):
+    build_engine(config, str(tmp_path / "ckpt"), model_overrides={"quantization": "experts"})

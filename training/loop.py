@@ -33,7 +33,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from model import flops
-from model.config import ConfigError, ModelConfig, model_config
+from model.config import RUNTIME_FIELDS, ConfigError, ModelConfig, model_config
 from model.decoder import Horizon, abstract_model
 from sharding import mesh as mesh_lib
 from sharding import rules as rules_lib
@@ -99,13 +99,9 @@ def check_init_from(config, run_checkpoints: Any) -> None:
                     "which started from %r", init_from, run_checkpoints, resumed["step"], started)
 
 
-# config.model fields a resumed run may change: how the same function is computed (precision,
-# remat, kernels, blocking, the expert exchange) or planned stage changes (the indexer's stage,
-# a longer context). Any other difference would train another model on these weights.
-RESUMABLE_MODEL_FIELDS = frozenset({
-    "dtype", "remat", "scan_layers", "kernels", "expert_exchange", "capacity_factor",
-    "dsa_query_block", "dsa_key_block", "dsa_dense_len", "delta_chunk_size", "indexer_stage",
-    "max_seq_len"})
+# config.model fields a resumed run may change: how the same function is computed or planned
+# stage changes. Any other difference would train another model on these weights.
+RESUMABLE_MODEL_FIELDS = RUNTIME_FIELDS
 
 
 def check_resume(config, cfg: ModelConfig, run_checkpoints: Any) -> None:

@@ -31,13 +31,13 @@ def generated_tasks(domains: Sequence[str], split: str, difficulty: int, n: int,
   return out
 
 
-def engine_policy(config, checkpoint: str | None, step: int | None = None):
+def engine_policy(config, checkpoint: str | None, step: int | None = None, model_overrides=None):
   """(EnginePolicy, engine) over a checkpoint's step (default latest; or random weights) with
-  config.serving's engine."""
+  config.serving's engine; model_overrides: as in `serving.build.build_engine`."""
   from serving.build import build_engine
   from serving.chat import ChatRenderer
 
-  engine = build_engine(config, checkpoint, step).start()
+  engine = build_engine(config, checkpoint, step, model_overrides).start()
   vision = engine.cfg.vision
   renderer = ChatRenderer(engine.tokenizer, vision.num_patches if vision.enabled else 0)
   return EnginePolicy(engine, renderer, dict(config.serving.thinking_budgets)), engine
@@ -58,8 +58,12 @@ def run_evaluation(
   api_key: str | None = None,
   temperature: float | None = None,
   progress: bool = True,
+  model_overrides: dict | None = None,
 ) -> dict[str, Any]:
   """Evaluates `tasks` with the checkpoint's engine or an endpoint; writes results, table, plot.
+
+  model_overrides: config.model fields set on the command line, for the checkpoint's engine
+  (`serving.build.build_engine`).
 
   Returns {'rows', 'table', 'json', 'results', 'plot'}.
   """
@@ -88,6 +92,8 @@ def run_evaluation(
     "loop": dataclasses.asdict(loop),
     "thinking_budgets": budgets,
   }
+  if model_overrides and not endpoint:  # e.g. another dtype: not the same policy (absent: as before)
+    signature["model_overrides"] = dict(sorted(model_overrides.items()))
   harness.check_signature(results, signature, resuming=any("key" in r for r in harness.read_results(results)))
   engine = None
   if endpoint:
@@ -103,7 +109,7 @@ def run_evaluation(
       api, endpoint, model or config.serving.model_name, api_key, thinking_budgets=budgets, count_tokens=count
     )
   else:
-    policy, engine = engine_policy(config, checkpoint, step)
+    policy, engine = engine_policy(config, checkpoint, step, model_overrides)
   executor = make_executor(config.env.executor, ctx, workers=int(config.env.workers))
   start = time.time()
   try:
