@@ -57,6 +57,10 @@ DEFAULT_CODE_TIMEOUT_S = 120.0
 DEFAULT_DOCQA_TOLERANCE = 1e-3
 SOLID_OPS = ("union", "difference", "intersection")
 SOLID_PRIMITIVES = ("box", "cylinder", "sphere")
+# Lengths and positions of the CAD grammar: wide enough for any part (targets use 1-50), narrow
+# enough that a volume stays a finite float64 (a box of 1e200 measured NaN) and that manifold3d's
+# tolerance (relative to a mesh's extent) still resolves the smallest length at the largest reach.
+SOLID_MIN_LENGTH, SOLID_MAX_LENGTH = 1e-3, 1e4
 
 _COMMON = ("id", "domain", "prompt", "max_turns", "tier", "oracle", "meta")
 _DOMAIN_FIELDS = {
@@ -143,6 +147,10 @@ def _short(v: Any) -> str:
 
 def _is_number(v: Any) -> bool:
   return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _is_length(v: Any) -> bool:
+  return _is_number(v) and SOLID_MIN_LENGTH <= v <= SOLID_MAX_LENGTH
 
 
 def _string(obj: Mapping, key: str, where: str, *, nonempty: bool = False, command: bool = False) -> str:
@@ -245,33 +253,34 @@ def validate_solid(node: Any, where: str, field: str = "target", depth: int = 0)
   kind = kinds[0]
   arg = node[kind]
   sub = f"{field}.{kind}"
+  span = f"in [{SOLID_MIN_LENGTH:g}, {SOLID_MAX_LENGTH:g}]"
   if "at" in node:
     at = node["at"]
     _need(
-      isinstance(at, list) and len(at) == 3 and all(map(_is_number, at)),
+      isinstance(at, list) and len(at) == 3 and all(_is_number(a) and abs(a) <= SOLID_MAX_LENGTH for a in at),
       where,
       f"{field}.at",
-      "[x, y, z] of 3 finite numbers",
+      f"[x, y, z] of 3 numbers in [-{SOLID_MAX_LENGTH:g}, {SOLID_MAX_LENGTH:g}]",
       at,
     )
   if kind == "box":
     _need(
-      isinstance(arg, list) and len(arg) == 3 and all(_is_number(a) and a > 0 for a in arg),
+      isinstance(arg, list) and len(arg) == 3 and all(map(_is_length, arg)),
       where,
       sub,
-      "[sx, sy, sz]: 3 edge lengths > 0",
+      f"[sx, sy, sz]: 3 edge lengths {span}",
       arg,
     )
   elif kind == "cylinder":
     _need(
-      isinstance(arg, list) and len(arg) == 2 and all(_is_number(a) and a > 0 for a in arg),
+      isinstance(arg, list) and len(arg) == 2 and all(map(_is_length, arg)),
       where,
       sub,
-      "[radius, height], both > 0",
+      f"[radius, height], both {span}",
       arg,
     )
   elif kind == "sphere":
-    _need(_is_number(arg) and arg > 0, where, sub, "a radius > 0 (a number)", arg)
+    _need(_is_length(arg), where, sub, f"a radius {span} (a number)", arg)
   else:
     _need(isinstance(arg, list) and len(arg) >= 1, where, sub, "a non-empty list of solids", arg)
     for i, child in enumerate(arg):

@@ -105,6 +105,15 @@ def test_bad_solids_name_the_path():
     solids.parse_solid({"cube": [1, 1, 1]})
   with pytest.raises(solids.SolidError, match="not valid JSON"):
     solids.parse_solid("a box please")
+  # Out-of-range sizes and positions: a box of 1e200 had measured a volume of NaN (shown to the
+  # model as `"volume": NaN`, which is not JSON), and 1e-300 a volume of 0 with one component.
+  with pytest.raises(solids.SolidError, match=r"solid\.box.*in \[0\.001, 10000\]"):
+    solids.measure({"box": [1e200, 1e200, 1e200]})
+  with pytest.raises(solids.SolidError, match=r"solid\.union\[0\]\.sphere.*a radius in"):
+    solids.measure({"union": [{"sphere": 1e-300}]})
+  with pytest.raises(solids.SolidError, match=r"solid\.at.*numbers in \[-10000, 10000\]"):
+    solids.measure({"box": [1, 1, 1], "at": [1e308, 0, 0]})
+  assert solids.measure({"box": [1e4, 1e4, 1e-3], "at": [-1e4, 0, 0]}).volume == pytest.approx(1e5)
   assert solids.parse_solid('```json\n{"sphere": 1}\n```') == {"sphere": 1}
   assert solids.parse_solid(' {"box": [1, 2, 3]} ') == {"box": [1, 2, 3]}
 
