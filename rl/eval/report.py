@@ -48,6 +48,8 @@ def aggregate(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
       "tool_errors": _mean([float(r["tool_errors"]) for r in rs]),
       "latency_p50": percentile([float(r["wall_s"]) for r in rs], 50),
       "latency_p95": percentile([float(r["wall_s"]) for r in rs], 95),
+      # episodes scored 0 because the grader raised (rl.agent.loop): not the model's failures
+      "grader_failed": sum(bool((r.get("grade") or {}).get("grader_failed")) for r in rs),
     }
     per_task = collections.defaultdict(list)
     for r in rs:
@@ -94,6 +96,11 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
       _fmt(r["latency_p95"], 3),
     ]
     lines.append("| " + " | ".join(cells) + " |")
+  failed = {f"{r['domain']}/{r['tier']}": r["grader_failed"] for r in rows
+            if r.get("grader_failed") and r["domain"] != "all"}
+  if failed:  # these scored 0 without the model failing: the success column undercounts
+    lines.append("\n**Grading failed** (scored 0; `grade.error` in results.jsonl says why): "
+                 + ", ".join(f"{k} {v}" for k, v in failed.items()))
   return "\n".join(lines)
 
 

@@ -85,9 +85,7 @@ _RUN_KNOBS = (
     ("micro_batch", 1, "rows per gradient micro-batch"),
     ("pad_multiple", 1, "rows are padded to a multiple of it"),
     ("trajectories_per_step", 0, "whole episodes written per step"),
-    ("eval_every", 0, "0 turns held-out evaluation off"),
-    ("eval_n", 1, "held-out tasks per domain"),
-)
+    ("eval_every", 0, "0 turns held-out evaluation off"), ("eval_n", 1, "held-out tasks per domain"))
 
 
 def check_run_knobs(rl) -> None:
@@ -370,6 +368,7 @@ class RLRun:
       "turns": np.array([e.num_turns for e in episodes], float),
       "tool_errors": np.array([e.tool_errors for e in episodes], float),
       "truncated": np.array([e.end == "length" for e in episodes], float),
+      "grader_failed": np.array([bool(e.grade.get("grader_failed")) for e in episodes], float),
       "forced_think_end": (parts["budget"] < 0).astype(float), "entropy": per_ep_entropy,
     }
     out = {name: float(np.mean(v)) for name, v in values.items()}

@@ -82,7 +82,17 @@ def test_evaluate_resumes_and_reports(tmp_path):
   report.plot(report.aggregate(records), str(png))
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   last = json.loads(report.summary_json(report.aggregate(records)))
-  assert last["math/low"]["n"] == 12
+  assert last["math/low"]["n"] == 12 and last["math/low"]["grader_failed"] == 0
+  assert "Grading failed" not in table
+  # Episodes the grader could not score (rl.agent.loop scores them 0) are counted and named
+  # under the table: the success column undercounts them.
+  for r in records[:3]:
+    r["grade"] = {"error": "grading failed: OSError: boom", "grader_failed": True}
+  rows = report.aggregate(records)
+  failed = {(r["domain"], r["tier"]): r["grader_failed"] for r in rows}
+  assert sum(v for (d, _), v in failed.items() if d == "math") == 3
+  assert failed[("all", "off")] + failed[("all", "low")] == 3
+  assert "**Grading failed** (scored 0" in report.markdown(rows)
   executor.shutdown()
 
 
