@@ -16,6 +16,7 @@ import dataclasses
 import importlib
 import json
 import logging
+import os
 import shutil
 import tempfile
 import weakref
@@ -107,9 +108,14 @@ class EnvContext:
     self._mounts: set[Path] = set()
     root_is_ours = self.root is None
     if root_is_ours:  # removed with this context (or at exit)
-      self.root = Path(tempfile.mkdtemp(prefix="horizon_envs_"))
+      self.root = Path(tempfile.mkdtemp(prefix=f"{taskdir.ROOT_PREFIX}{os.getpid()}_"))
     self.root = Path(self.root)
     self.root.mkdir(parents=True, exist_ok=True)
+    # What processes killed with SIGKILL left mounted (a tmpfs holds its files in memory).
+    swept = taskdir.sweep_stale(self.root, Path(tempfile.gettempdir()))
+    if swept:
+      _log.warning("removed %d task directories left by processes that no longer exist (e.g. %s)",
+                   len(swept), swept[0])
     # Task directories still mounted when the context goes are unmounted then (else a tmpfs
     # would hold its files in memory after the run); our own root is removed too.
     weakref.finalize(self, _release, self._mounts, str(self.root) if root_is_ours else None)
@@ -126,7 +132,7 @@ class EnvContext:
   def new_dir(self, name: str) -> Path:
     """A fresh, empty directory for one episode, a tmpfs of disk_mb where one can be mounted."""
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:80] or "task"
-    path = Path(tempfile.mkdtemp(prefix=f"{safe}_", dir=self.root))
+    path = Path(tempfile.mkdtemp(prefix=taskdir.episode_prefix(safe), dir=self.root))
     why_not = taskdir.mount_tmpfs(path, self.disk_mb)
     if why_not is None:
       self._mounts.add(path)

@@ -129,3 +129,39 @@ def test_a_command_cannot_fill_the_disk_past_the_task_directory_cap(tmp_path):
 
 def _mount_points() -> set[str]:
   return {line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()}
+
+
+_KILLED_CHILD = """
+import os, signal, sys
+from pathlib import Path
+from rl.envs.base import EnvContext
+own = EnvContext(disk_mb=4)  # its own root under the temp directory
+shared = EnvContext(root=Path(sys.argv[1]), disk_mb=4)
+for ctx in (own, shared):
+  (ctx.new_dir("t 1") / "f").write_bytes(b"x" * 1000)
+print(own.root, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # as an OOM kill or a preemption: nothing is unmounted
+"""
+
+
+def test_mounts_of_a_killed_process_are_swept(tmp_path):
+  """A process killed with SIGKILL left its tmpfs task directories mounted (their files held in
+  memory until reboot); the next EnvContext unmounts and removes those of dead processes only."""
+  import subprocess
+  import sys
+  shared = tmp_path / "shared"
+  alive = EnvContext(root=shared, disk_mb=4)
+  mine = alive.new_dir("mine")
+  if str(mine) not in _mount_points():
+    alive.remove_dir(mine)
+    pytest.skip("this process cannot mount a tmpfs (needs root on Linux); nothing is left mounted")
+  child = subprocess.run([sys.executable, "-c", _KILLED_CHILD, str(shared)], capture_output=True, text=True,
+                         timeout=120, cwd=Path(__file__).resolve().parents[2])
+  assert child.returncode == -9, child.stderr
+  own_root = Path(child.stdout.strip())
+  left = [m for m in _mount_points() if m.startswith((str(own_root), str(shared)))]
+  assert len(left) == 3 and str(mine) in left  # the child's two and ours
+  EnvContext(root=shared, disk_mb=4)
+  assert [m for m in _mount_points() if m.startswith((str(own_root), str(shared)))] == [str(mine)]
+  assert not own_root.exists() and [p.name for p in shared.iterdir()] == [mine.name]
+  alive.remove_dir(mine)
