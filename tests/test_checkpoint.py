@@ -239,9 +239,91 @@ def test_errors_name_the_problem(tmp_path):
   empty.close()
 
 
+def _two_steps(directory):
+  tc = TrainConfig.from_config(horizon.get_config("tiny").train)
+  with ck.Checkpointer(directory, every=1, keep=3) as c:
+    for step in (1, 2):
+      model = Small(step)
+      c.save(step, model=model, optimizer=nnx.Optimizer(model, make_optimizer(tc), wrt=nnx.Param))
+
+
+def test_a_damaged_step_is_named_with_the_way_back(tmp_path):
+  """Damaged files of the newest step: readers that do not need them still work; the others get
+  a CheckpointError naming the step and the earlier one to use (they raised TensorStore's or json's
+  own error, 2 KB of spec, or a bare KeyError / AttributeError)."""
+  d = tmp_path / "run"
+  _two_steps(d)
+  for f in (d / "2" / "opt_state" / "d").iterdir():  # the optimizer state: read_meta / serving
+    f.write_bytes(b"")                                 # never read it (they opened every array)
+  assert ck.read_meta(d)["step"] == 2
+  model = Small(0)
+  ck.restore_params(d, model)
+  _assert_bitwise(ck.model_tree(model), small_values(2), "params of step 2")
+  way = (rf"step 2 is damaged: reading .* failed \(.*\); move {d}/2 aside to use step 1 "
+         r"\(finalized steps: \[1, 2\]\)")
+  with ck.Checkpointer(d, every=1, keep=3) as c:
+    with pytest.raises(ck.CheckpointError, match=way):
+      c.restore(model=model, optimizer=nnx.Optimizer(model, make_optimizer(TrainConfig.from_config(
+          horizon.get_config("tiny").train)), wrt=nnx.Param))
+  for f in (d / "2" / "params" / "d").iterdir():
+    f.write_bytes(f.read_bytes()[:7])  # truncated
+  with pytest.raises(ck.CheckpointError, match=way) as e:
+    ck.restore_params(d, model)
+  assert len(str(e.value)) < 900, str(e.value)
+  ck.restore_params(d, model, step=1)
+  _assert_bitwise(ck.model_tree(model), small_values(1), "params of step 1")
+  (d / "2" / "params" / "_METADATA").unlink()
+  with pytest.raises(ck.CheckpointError, match=r"reading item 'params'.s metadata failed.*use step 1"):
+    ck.restore_params(d, model)
+  meta = d / "2" / "meta" / "metadata"
+  good = json.loads(meta.read_text())
+  for bad, says in (("[1, 2]", "a JSON object was expected, got list"),
+                    ('{"format_version": 1}', r"format_version=1, step=None \(ints expected\)"),
+                    (json.dumps({**good, "rng": {"data": [1]}}), r"rng=\{'data': \[1\]\}.*KeyError"),
+                    (json.dumps(good)[:40], r"reading items \['meta'\] failed \(JSONDecodeError")):
+    meta.write_text(bad)
+    with pytest.raises(ck.CheckpointError, match=says):
+      ck.read_meta(d)
+  (d / "3").mkdir()  # a numeric directory a copy left empty
+  with pytest.raises(ck.CheckpointError, match=rf"step 3 is damaged: .*{d}/3 is empty .*use step 2"):
+    ck.read_meta(d)
+
+
+def test_a_file_or_read_only_directory_is_refused_before_training(tmp_path):
+  """Checkpointer on a file, or on a directory it cannot write, failed at the first save (after
+  `every` steps of training) with a raw OSError; readers called a file 'no finalized step'."""
+  (tmp_path / "f").write_text("x")
+  with pytest.raises(ck.CheckpointError, match=r"directory .*/f is a file; move it aside"):
+    ck.Checkpointer(tmp_path / "f", every=1, keep=1)
+  with pytest.raises(ck.CheckpointError, match=r"directory .*/f is a file; pass the directory"):
+    ck.read_meta(tmp_path / "f")
+  ro = tmp_path / "ro"
+  ro.mkdir()
+  if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)],
+                                         capture_output=True).returncode:
+    pytest.skip("a read-only mount needs root (root writes through file permissions)")
+  try:
+    with pytest.raises(ck.CheckpointError, match=r"directory .*/ro is not writable \(Read-only file sys"):
+      ck.Checkpointer(ro, every=1, keep=1)
+  finally:
+    subprocess.run(["umount", str(ro)], check=True)
+
+
+def test_one_data_state_for_every_process_resumes_on_any_count(caplog):
+  """A state stored alike by every process (bytes, SFT, RL's sampler) resumes exactly on another
+  process count (it came back None, and each pipeline then raised a wrong reason); per-process
+  (grain) states restart, with a warning."""
+  meta = ck.make_meta(3, None, jax.random.key(0), {})
+  shared = {"pipeline": "bytes", "seed": 4}
+  for states, want in (([shared] * 2, shared), ([{"a": 1}, {"a": 2}], None)):
+    got = ck.read_meta_dict({**meta, "data_states": states}, "ckpt")
+    assert got["data_state"] == want and got["process_count"] == 2
+  assert "restarts instead of resuming exactly" in caplog.text
+
+
 def test_no_local_only_file_calls():
   """Directories may be URLs: the module must do all file I/O through epath / orbax."""
-  source = (ROOT / "training" / "checkpoint.py").read_text()
+  source = "\n".join((ROOT / "training" / f).read_text() for f in ("checkpoint.py", "checkpoint_meta.py"))
   tree = ast.parse(source)
   imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
               for a in n.names}

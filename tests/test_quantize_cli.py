@@ -184,6 +184,10 @@ def test_bad_inputs_name_the_field_and_leave_nothing(ckpts, tmp_path):
   (tmp_path / "o2" / "keep").write_text("x")
   with pytest.raises(CheckpointError, match="not empty"):
     quantize.convert(str(src), str(tmp_path / "o2"))
+  for inside in (src / "70", src / "x" / "y"):  # a numeric name became a step of src, blocking its readers
+    with pytest.raises(CheckpointError, match=r"is inside \(or holds\) --checkpoint=.*directory of its own"):
+      quantize.convert(str(src), str(inside))
+  assert not (src / "70").exists() and not (src / "x").exists()
   with pytest.raises(CheckpointError, match="already quantized"):
     quantize.convert(str(tmp_path / "done"), str(tmp_path / "o3"))
   with pytest.raises(CheckpointError, match="--eval_tokens=-1"):

@@ -35,7 +35,6 @@ protocol for every URL scheme, in writers and readers alike.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from typing import Any, Mapping
 
@@ -46,21 +45,20 @@ from etils import epath
 from flax import nnx
 
 from model.decoder import abstract_model
-from sharding import distributed
 from sharding import rules as rules_lib
+from training.checkpoint_meta import (  # noqa: F401 - the errors, FORMAT_VERSION and rng_* are this module's API
+  FORMAT_VERSION,
+  CheckpointError,
+  CheckpointNotFoundError,
+  make_meta,
+  read_meta_dict,
+  rng_from_json,
+  rng_to_json,
+)
 
-FORMAT_VERSION = 1
 ITEMS = ("params", "opt_state", "meta")
 
 _log = logging.getLogger(__name__)
-
-
-class CheckpointError(ValueError):
-  """A checkpoint that cannot be used as asked (missing item, other config, ...)."""
-
-
-class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
-  """No (finalized) checkpoint where one was expected."""
 
 
 # ---- orbax plumbing -----------------------------------------------------------
@@ -94,6 +92,9 @@ def _reader(directory: epath.Path) -> ocp.CheckpointManager:
   """A read-only manager: never creates, cleans up or deletes anything."""
   if not directory.exists():
     raise CheckpointNotFoundError(f"no checkpoint in {directory}: the directory does not exist.")
+  if not directory.is_dir():
+    raise CheckpointError(f"checkpoint directory {directory} is a file; pass the directory the run "
+                          "saved into (<workdir>/checkpoints).")
   options = ocp.CheckpointManagerOptions(read_only=True, create=False,
                                          atomicity_options=_atomicity(directory))
   return ocp.CheckpointManager(directory, options=options, handler_registry=_registry())
@@ -185,102 +186,60 @@ def _check_tree(stored: Any, wanted: dict, item: str, where: str) -> None:
                             f"{want[key]} in the model; {hint}.")
 
 
+# What a damaged file raises from orbax / TensorStore / json (CheckpointError, a ValueError, is ours).
+_READ_ERRORS = (ValueError, OSError, KeyError, TypeError, AttributeError)
+
+
+def _damaged(mngr: ocp.CheckpointManager, step: int, what: str, e: Exception) -> CheckpointError:
+  """The error for a step whose files cannot be read: the file's complaint, and the way back."""
+  if isinstance(e, CheckpointError):
+    return e
+  steps = sorted(mngr.all_steps())
+  older = [s for s in steps if s < step]
+  reason = " ".join(str(e).split())
+  reason = reason if len(reason) <= 400 else reason[:400] + " ..."  # TensorStore appends its 2 KB spec
+  way = (f"move {mngr.directory}/{step} aside to use step {older[-1]} (finalized steps: {steps})" if older
+         else "no earlier step is left to fall back on")
+  return CheckpointError(f"checkpoint {mngr.directory} step {step} is damaged: reading {what} failed "
+                         f"({type(e).__name__}: {reason}); {way}.")
+
+
 def _restore_items(mngr: ocp.CheckpointManager, step: int, wanted: dict[str, dict]) -> dict:
-  """Restores `wanted` items (name -> target tree) plus 'meta', after checking them."""
+  """Restores `wanted` items (name -> target tree) plus 'meta', after checking them.
+
+  Only the wanted items are opened: `mngr.item_metadata` opened every array of every item, so a
+  damaged optimizer state stopped the server, which never reads it.
+  """
   where = f"checkpoint {mngr.directory} step {step}"
-  stored = mngr.item_metadata(step)
+  step_dir = epath.Path(mngr.directory) / str(step)
+  try:
+    present = sorted(p.name for p in step_dir.iterdir() if p.is_dir())
+  except _READ_ERRORS as e:
+    raise _damaged(mngr, step, "its directory", e) from None
   for item in (*wanted, "meta"):
-    if item not in stored:  # (a JSON item's metadata is None: present, but nothing to say)
-      present = list(stored.keys())
+    if item not in present:
       hint = (" (it was saved without an optimizer: pass optimizer=None to restore only the model)"
               if item == "opt_state" else "")
+      if not present:
+        raise _damaged(mngr, step, "its items", FileNotFoundError(f"{step_dir} is empty (a copy that did "
+                                                                  "not finish?)"))
       raise CheckpointError(f"{where}: item {item!r} is missing; it holds {present}{hint}.")
   targets = {}
   for item, tree in wanted.items():
-    _check_tree(stored[item].tree, tree, item, where)
+    handler = ocp.StandardCheckpointHandler()
+    try:
+      stored = handler.metadata(step_dir / item).tree
+    except _READ_ERRORS as e:
+      raise _damaged(mngr, step, f"item {item!r}'s metadata", e) from None
+    finally:
+      handler.close()
+    _check_tree(stored, tree, item, where)
     targets[item] = ocp.args.StandardRestore(jax.tree.map(_target, tree))
-  restored = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore(), **targets))
+  try:
+    restored = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore(), **targets))
+  except _READ_ERRORS as e:
+    raise _damaged(mngr, step, f"items {sorted(targets) + ['meta']}", e) from None
   return {k: restored[k] for k in (*wanted, "meta")}
-
-
-# ---- meta (JSON) --------------------------------------------------------------------
-
-
-def _json_safe(x: Any, where: str) -> Any:
-  """A JSON-serialisable copy of x (ConfigDicts, dataclasses, tuples, numpy scalars)."""
-  if hasattr(x, "to_dict"):  # ml_collections ConfigDict / FrozenConfigDict
-    x = x.to_dict()
-  elif dataclasses.is_dataclass(x) and not isinstance(x, type):
-    x = dataclasses.asdict(x)
-  if isinstance(x, Mapping):
-    return {str(k): _json_safe(v, f"{where}.{k}") for k, v in x.items()}
-  if isinstance(x, (list, tuple)):
-    return [_json_safe(v, f"{where}[{i}]") for i, v in enumerate(x)]
-  if isinstance(x, np.generic) or (isinstance(x, np.ndarray) and x.ndim == 0):
-    return x.item()
-  if x is None or isinstance(x, (bool, int, float, str)):
-    return x
-  raise CheckpointError(f"{where}={x!r} ({type(x).__name__}) cannot be stored as JSON; pass "
-                        "plain values (numbers, strings, lists, dicts).")
-
-
-def _host(x: jax.Array) -> np.ndarray:
-  if isinstance(x, jax.Array) and not x.is_fully_addressable:
-    if not x.is_fully_replicated:
-      raise CheckpointError("rng: a key split over processes cannot be saved; replicate it.")
-    x = x.addressable_data(0)
-  return np.asarray(x)
-
-
-def rng_to_json(rng: jax.Array | None) -> dict | None:
-  """{'impl': name or None for a raw uint32 key, 'data': nested list of uint32}."""
-  if rng is None:
-    return None
-  rng = jax.numpy.asarray(rng) if not isinstance(rng, jax.Array) else rng
-  if jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
-    return {"impl": str(jax.random.key_impl(rng)), "data": _host(jax.random.key_data(rng)).tolist()}
-  if rng.dtype != np.uint32:
-    raise CheckpointError(f"rng: dtype {rng.dtype}; pass a jax.random.key or a uint32 PRNGKey.")
-  return {"impl": None, "data": _host(rng).tolist()}
-
-
-def rng_from_json(obj: dict | None) -> jax.Array | None:
-  if obj is None:
-    return None
-  data = np.asarray(obj["data"], np.uint32)
-  if obj["impl"] is None:
-    return jax.numpy.asarray(data)
-  return jax.random.wrap_key_data(data, impl=obj["impl"])
-
-
-def _gather_json(obj: Any) -> list[Any]:
-  """Every process's `obj` (JSON-safe), in process order; all processes must call it."""
-  return [json.loads(b) for b in distributed.allgather_bytes(json.dumps(obj).encode())]
-
-
-def _make_meta(step: int, data_state: Any, rng: Any, config: Any) -> dict:
-  return {"format_version": FORMAT_VERSION, "step": int(step),
-          "rng": rng_to_json(rng),
-          "data_states": _gather_json(_json_safe(data_state, "data_state")),
-          "config": _json_safe(config, "config")}
-
-
-def _read_meta(meta: dict, where: str) -> dict:
-  """The user-facing meta: this process's data_state, the rng as a key."""
-  version = meta.get("format_version")
-  if not isinstance(version, int) or version > FORMAT_VERSION:
-    raise CheckpointError(f"{where}: format_version {version!r}; this code reads versions up to "
-                          f"{FORMAT_VERSION} (update Horizon to read it).")
-  states = meta.get("data_states") or [None]
-  data_state = None
-  if len(states) == jax.process_count():
-    data_state = states[jax.process_index()]
-  elif any(s is not None for s in states):
-    _log.warning("%s: data iterator states of %d processes, running on %d; the data pipeline "
-                 "restarts instead of resuming exactly.", where, len(states), jax.process_count())
-  return {"step": meta["step"], "rng": rng_from_json(meta.get("rng")), "data_state": data_state,
-          "config": meta.get("config"), "format_version": version,
-          "process_count": len(states)}
 
 
 # ---- the writer -------------------------------------------------------------------
@@ -312,6 +271,9 @@ class Checkpointer:
         raise CheckpointError(f"Checkpointer: {name}={v!r} must be a positive int "
                               f"(config.checkpoint.{name}).")
     self.directory = _path(directory)
+    if self.directory.exists() and not self.directory.is_dir():
+      raise CheckpointError(f"checkpoint directory {self.directory} is a file; move it aside or use "
+                            "another --workdir (checkpoints go to <workdir>/checkpoints).")
     options = ocp.CheckpointManagerOptions(
         save_decision_policy=ocp.checkpoint_managers.FixedIntervalPolicy(int(every)),
         preservation_policy=ocp.checkpoint_managers.LatestN(int(keep)),
@@ -319,6 +281,15 @@ class Checkpointer:
         atomicity_options=_atomicity(self.directory))
     self._mngr = ocp.CheckpointManager(self.directory, options=options,
                                        handler_registry=_registry())
+    # A directory this process cannot write failed at the first save, `every` steps of work later.
+    probe = self.directory / f".write_probe.{jax.process_index()}"
+    try:
+      probe.write_text("")
+      probe.unlink()
+    except OSError as e:
+      self._mngr.close()
+      raise CheckpointError(f"checkpoint directory {self.directory} is not writable ({e.strerror or e}); "
+                            "fix its permissions or use another --workdir.") from None
 
   def should_save(self, step: int) -> bool:
     """Whether `save(step)` (without force) would write: step % every == 0 and step is new."""
@@ -344,7 +315,7 @@ class Checkpointer:
     if step in self._mngr.all_steps() or not (force or self.should_save(step)):
       return False
     items = {"params": ocp.args.StandardSave(model_tree(model)),
-             "meta": ocp.args.JsonSave(_make_meta(step, data_state, rng, config))}
+             "meta": ocp.args.JsonSave(make_meta(step, data_state, rng, config))}
     if optimizer is not None:
       items["opt_state"] = ocp.args.StandardSave(optimizer_tree(optimizer))
     return bool(self._mngr.save(step, args=ocp.args.Composite(**items), force=True))
@@ -382,7 +353,7 @@ class Checkpointer:
     _apply(model, restored["params"])
     if optimizer is not None:
       _apply(optimizer, restored["opt_state"])
-    return _read_meta(restored["meta"], f"checkpoint {self.directory} step {step}")
+    return read_meta_dict(restored["meta"], f"checkpoint {self.directory} step {step}")
 
   def wait(self) -> None:
     """Blocks until every started save is committed (re-raises a failed background save)."""
@@ -407,7 +378,7 @@ def read_meta(directory: Any, step: int | None = None) -> dict:
   mngr = _reader(_path(directory))
   try:
     step = _resolve_step(mngr, step)
-    return _read_meta(_restore_items(mngr, step, {})["meta"],
+    return read_meta_dict(_restore_items(mngr, step, {})["meta"],
                       f"checkpoint {mngr.directory} step {step}")
   finally:
     mngr.close()
@@ -428,7 +399,7 @@ def restore_params(directory: Any, model: nnx.Module, step: int | None = None) -
   finally:
     mngr.close()
   _apply(model, restored["params"])
-  return _read_meta(restored["meta"], f"checkpoint {mngr.directory} step {step}")
+  return read_meta_dict(restored["meta"], f"checkpoint {mngr.directory} step {step}")
 
 
 def load_model(directory: Any, cfg: Any, *, step: int | None = None,

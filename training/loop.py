@@ -184,7 +184,8 @@ class _Run:
     if self.ckpt.latest_step() is not None:
       meta = self.ckpt.restore(model=self.model, optimizer=self.optimizer)
       self.start = int(meta["step"])
-      self.data.set_state(meta["data_state"])
+      if meta["data_state"] is not None or meta["process_count"] == jax.process_count():
+        self.data.set_state(meta["data_state"])  # (else per-process states on another count: restart)
       if meta.get("rng") is not None:
         self.rng = meta["rng"]
       logging.info("resumed from %s at step %d", self.ckpt.directory, self.start)

@@ -52,12 +52,18 @@ class Converted:
   decisions: list[Decision]
 
 
-def _check_out(out: epath.Path) -> None:
+def _check_out(out: epath.Path, src: epath.Path) -> None:
   if out.exists() and not out.is_dir():
     raise CheckpointError(f"--out={out} is a file; choose a new directory (nothing was written).")
   if out.exists() and any(out.iterdir()):
     raise CheckpointError(f"--out={out} exists and is not empty; choose a new directory "
                           "(nothing was written).")
+  # Inside the source, a numeric name became a "step" of the source run that every reader then
+  # picked as its latest and failed on; any other name is still a stray in the run's directory.
+  a, b = (str(p.resolve()) if "://" not in str(p) else str(p).rstrip("/") for p in (out, src))
+  if a == b or a.startswith(b + "/") or b.startswith(a + "/"):
+    raise CheckpointError(f"--out={out} is inside (or holds) --checkpoint={src}; write the quantized "
+                          "checkpoint to a directory of its own (nothing was written).")
 
 
 def _source_config(src_path: epath.Path, meta: dict, fallback_config: Any) -> tuple[dict, Any]:
@@ -164,7 +170,7 @@ def convert(src: str, dst: str, what: str = "experts", mode: str = "floor",
     raise CheckpointError(f"--checkpoint={src} does not exist.")
   if eval_tokens < 0:
     raise CheckpointError(f"--eval_tokens={eval_tokens} must be >= 0 (0: no held-out loss).")
-  _check_out(out)
+  _check_out(out, src_path)
   meta = read_meta(src_path, step)
   config, cfg = _source_config(src_path, meta, fallback_config)
   windows = heldout_windows(config, cfg, eval_tokens) if eval_tokens else None
