@@ -10,7 +10,9 @@ Prints a markdown table per (domain, tier): pairs, success before and after, the
 tasks that flipped up / down, the paired standard error of the difference and its z, the
 exact McNemar p-value, and the unpaired SE for comparison (rl/eval/compare.py), then one line
 of JSON. Only episodes both runs hold are compared; runs whose sampling settings differ are
-refused unless --allow_different_sampling.
+refused unless --allow_different_sampling. Episodes a run's policy failed to play (end 'error')
+are not scores: they are left out and counted. z is '–' (null in the JSON) where the paired SE
+is 0; McNemar's p still applies.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import json
 
 from absl import app, flags
 
+from experiments.config_util import run_app
 from rl.eval.compare import CompareError, compare_dirs, markdown
 
 _BEFORE = flags.DEFINE_string("before", None, "--out directory of the baseline evaluation.", required=True)
@@ -37,8 +40,11 @@ def main(argv):
   if unmatched["only_before"] or unmatched["only_after"]:
     print(f"not compared: {unmatched['only_before']} episodes only in --before, "
           f"{unmatched['only_after']} only in --after")
+  if unmatched["unplayed_before"] or unmatched["unplayed_after"]:
+    print(f"not played (policy errors, not scored; rerun that evaluation's command to replay them): "
+          f"{unmatched['unplayed_before']} in --before, {unmatched['unplayed_after']} in --after")
   print(json.dumps({"rows": rows, **unmatched}))
 
 
 if __name__ == "__main__":
-  app.run(main)
+  run_app(main)

@@ -18,7 +18,8 @@ def define_config_flag(required: bool = True):
 def run_app(main) -> None:
   """`app.run(main)`, except that a bad --config (a typo'd override such as
   `--config.model.num_layer=3`, a wrong type, an unknown variant) ends with its one-line reason
-  and ml_collections' suggestion instead of a 50-line traceback with the hint in the middle."""
+  and ml_collections' suggestion instead of a 50-line traceback with the hint in the middle, and
+  that a stray positional argument is refused instead of ignored."""
   def parse(argv):
     try:
       return app.parse_flags_with_usage(argv)
@@ -29,7 +30,11 @@ def run_app(main) -> None:
       reason = reason.replace("\\n", " ").replace("\\'", "'").replace("\n", " ")
       overrides = " ".join(a for a in argv[1:] if a.startswith("--config"))
       sys.exit(f"FATAL flags error: {reason}\n(in {overrides}; configs/*.py lists the fields)")
-  app.run(main, flags_parser=parse)
+  def checked(argv):
+    if len(argv) > 1:  # `--flag false` sets a boolean flag and leaves "false" here, unread
+      raise app.UsageError(f"unexpected arguments {argv[1:]}; flags take the form --flag=value")
+    return main(argv)
+  app.run(checked, flags_parser=parse)
 
 
 def model_overrides(flag: str = "config", flag_values: flags.FlagValues = flags.FLAGS) -> dict:

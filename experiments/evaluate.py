@@ -10,17 +10,20 @@ again to resume (a run whose policy, sampling or turn/token limits differ from t
 wrote the file is refused: use a fresh --out). Prints a markdown table (domain x tier: n,
 success % with 95% Wilson interval, pass@k, reward, thinking tokens, turns, tool errors,
 latency p50/p95), writes
-<out>/success_vs_thinking.png, and ends with one line of JSON.
+<out>/success_vs_thinking.png, and ends with one line of JSON. Episodes the policy failed to
+play (a server down, a rejected request) are not scores: they are left out of the table, named
+under it, replayed by the next run of the same command, and make this one exit with status 1.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from absl import app, flags
 from ml_collections import config_flags
 
-from experiments.config_util import model_overrides
+from experiments.config_util import model_overrides, run_app
 from rl.eval import harness
 from rl.eval.run import generated_tasks, run_evaluation
 from rl.tasks.schema import DOMAINS
@@ -57,7 +60,8 @@ def main(argv):
            generated_tasks(_DOMAINS.value, _SPLIT.value, _DIFFICULTY.value, _N.value))
   if not tasks:
     raise app.UsageError(f"--tasks={_TASKS.value}: the file holds no tasks (one JSON task per line)."
-                         if _TASKS.value else "--n=0: no tasks to evaluate.")
+                         if _TASKS.value else f"--domains={','.join(_DOMAINS.value)} --n={_N.value}: "
+                         "no tasks to evaluate.")
   res = run_evaluation(_CONFIG.value, tasks=tasks, out_dir=_OUT.value,
                        tiers=harness.parse_tiers(_TIERS.value),
                        samples=_SAMPLES.value, concurrency=_CONCURRENCY.value, checkpoint=_CHECKPOINT.value,
@@ -66,7 +70,10 @@ def main(argv):
   print(res["table"])
   print(f"results: {res['results']}  plot: {res['plot']}")
   print(res["json"])
+  if res["not_played"]:  # an incomplete evaluation: a script must not take its numbers as final
+    sys.exit(f"{sum(res['not_played'].values())} episodes were not played (the policy failed; the first: "
+             f"{res['first_error']}); they are not in the table. Run the same command again to replay them.")
 
 
 if __name__ == "__main__":
-  app.run(main)
+  run_app(main)

@@ -11,8 +11,9 @@ import json
 import os
 from pathlib import Path
 
-from absl import app, flags
+from absl import flags
 
+from experiments.config_util import run_app
 from rl.tasks import generators
 from rl.tasks.schema import DOMAINS
 from rl.tasks.task_files import load_tasks, write_tasks
@@ -54,4 +55,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  run_app(main)

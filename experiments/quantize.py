@@ -25,6 +25,7 @@ import json
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from experiments.config_util import run_app
 from training.quantize import convert, table
 
 _IN = flags.DEFINE_string("checkpoint", None, "Input checkpoint directory (dense weights).")
@@ -57,4 +58,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  run_app(main)

@@ -21,10 +21,10 @@ import sys
 from pathlib import Path
 
 import uvicorn
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
-from experiments.config_util import log_to_workdir, model_overrides
+from experiments.config_util import log_to_workdir, model_overrides, run_app
 from serving.build import build_engine
 from serving.server import create_app
 
@@ -67,4 +67,4 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  run_app(main)

@@ -45,21 +45,29 @@ def load_run(out_dir: str | Path) -> tuple[dict[str, dict[str, Any]], dict[str, 
   if not path.is_file():
     raise CompareError(f"{out}: no results.jsonl; pass the --out directory of experiments.evaluate.")
   records: dict[str, dict[str, Any]] = {}
-  lines = path.read_text().splitlines()
-  last = max((i for i, line in enumerate(lines, 1) if line.strip()), default=0)
-  for lineno, line in enumerate(lines, 1):
-    if not line.strip():
+  unplayed: set[str] = set()
+  for lineno, line in enumerate(path.read_text().splitlines(), 1):
+    try:
+      r = json.loads(line) if line.strip() else None
+    except json.JSONDecodeError:
+      # A line cut by a crash, as the harness reads it: that episode is not in the run (a resume
+      # ends the cut line and appends its replay after it, so it may sit anywhere).
+      continue
+    if r is None:
       continue
     try:
-      r = json.loads(line)
-    except json.JSONDecodeError as e:
-      if lineno == last:
-        continue  # a line cut by a crash, as the harness reads it: that episode is not in the run
-      raise CompareError(f"{path}:{lineno}: not an evaluation record ({e}).") from e
-    try:
-      records[r["key"]] = {"domain": r["domain"], "tier": r["tier"], "success": bool(r["success"])}
+      key = r["key"]
+      record = {"domain": r["domain"], "tier": r["tier"], "success": bool(r["success"])}
     except (KeyError, TypeError) as e:
       raise CompareError(f"{path}:{lineno}: not an evaluation record ({e}).") from e
+    # An episode the policy failed to play (end 'error': a server down, a rejected request) is
+    # no score; the harness replays it on resume, and the latest record of a key counts.
+    records.pop(key, None)
+    unplayed.discard(key)
+    if r.get("end") == "error":
+      unplayed.add(key)
+    else:
+      records[key] = record
   meta_path = out / "run.json"
   try:
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
@@ -72,7 +80,7 @@ def load_run(out_dir: str | Path) -> tuple[dict[str, dict[str, Any]], dict[str, 
       meta = {**meta, "sampling": json.loads(signature.read_text()).get("sampling", {})}
     except json.JSONDecodeError as e:
       raise CompareError(f"{signature}: not JSON ({e}); rerun experiments.evaluate to rewrite it.") from e
-  return records, meta
+  return records, {**meta, "unplayed": sorted(unplayed)}
 
 
 def mcnemar_p(b: int, c: int) -> float:
@@ -95,7 +103,8 @@ def paired_row(pairs: Sequence[tuple[bool, bool]]) -> dict[str, float]:
   se = math.sqrt(max(up + down - (up - down) ** 2 / n, 0.0)) / n
   se_unpaired = math.sqrt(before * (1 - before) / n + after * (1 - after) / n)
   return {"n": n, "before": before, "after": after, "diff": diff, "up": up, "down": down,
-          "se_paired": se, "z_paired": diff / se if se > 0 else (0.0 if diff == 0 else math.inf),
+          # no discordant-pair variance: z is undefined (diff 0) or infinite; McNemar's p stands
+          "se_paired": se, "z_paired": diff / se if se > 0 else None,
           "se_unpaired": se_unpaired, "p_mcnemar": mcnemar_p(down, up)}
 
 
@@ -144,17 +153,20 @@ def markdown(rows: Sequence[Mapping[str, Any]]) -> str:
     lines.append(f"| {r['domain']} | {r['tier']} | {r['n']} | {100 * r['before']:.1f} "
                  f"| {100 * r['after']:.1f} | {100 * r['diff']:+.1f} | {r['up']} / {r['down']} "
                  f"| {100 * r['se_paired']:.2f} "
-                 f"| {r['z_paired']:+.2f} | {r['p_mcnemar']:.3g} | {100 * r['se_unpaired']:.2f} |")
+                 f"| {'–' if r['z_paired'] is None else format(r['z_paired'], '+.2f')} "
+                 f"| {r['p_mcnemar']:.3g} | {100 * r['se_unpaired']:.2f} |")
   return "\n".join(lines)
 
 
 def compare_dirs(before_dir: str | Path, after_dir: str | Path, allow_different_sampling: bool = False
                  ) -> tuple[list[dict[str, Any]], dict[str, int]]:
-  """(rows, counts of keys only in one run) for two `experiments.evaluate --out` directories."""
+  """(rows, counts of keys only in one run and of episodes a run's policy failed to play) for two
+  `experiments.evaluate --out` directories."""
   before, meta_b = load_run(before_dir)
   after, meta_a = load_run(after_dir)
   if not allow_different_sampling:
     check_comparable(meta_b, meta_a)
   rows = compare(before, after)
   return rows, {"only_before": len(before.keys() - after.keys()),
-                "only_after": len(after.keys() - before.keys())}
+                "only_after": len(after.keys() - before.keys()),
+                "unplayed_before": len(meta_b["unplayed"]), "unplayed_after": len(meta_a["unplayed"])}

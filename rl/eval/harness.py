@@ -117,9 +117,10 @@ def evaluate(
   hashes = {t.id: task_hash(t) for t in tasks}
   recorded = read_results(results)
   _check_tasks_unchanged(recorded, wanted, hashes, results)
-  done = {r["key"] for r in recorded if "key" in r}
+  # An episode the policy failed to play (end 'error': a server down) is played again.
+  done = {r["key"] for r in recorded if "key" in r and r.get("end") != "error"}
   if signature is not None:
-    check_signature(results, signature, resuming=bool(done))
+    check_signature(results, signature, resuming=any("key" in r for r in recorded))
   todo = [i for i, k in enumerate(keys) if k not in done]
   Path(results).parent.mkdir(parents=True, exist_ok=True)
   bar = _bar(len(keys), len(keys) - len(todo), progress)

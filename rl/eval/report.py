@@ -22,10 +22,20 @@ def _mean(xs: Sequence[float]) -> float:
   return sum(xs) / len(xs) if xs else float("nan")
 
 
+def unplayed(records: Sequence[dict[str, Any]]) -> dict[str, int]:
+  """Episodes the policy failed to play (end 'error': a server down, a rejected request), by
+  'domain/tier': no score, so `aggregate` leaves them out; a resumed evaluation replays them."""
+  return dict(sorted(collections.Counter(f"{r['domain']}/{r['tier']}" for r in records
+                                         if r.get("end") == "error").items()))
+
+
 def aggregate(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-  """One row per (domain, tier), then one per tier over all domains ('all')."""
+  """One row per (domain, tier), then one per tier over all domains ('all'), over the episodes
+  that were played (`unplayed` counts the others)."""
   groups: dict[tuple[str, str], list[dict]] = collections.defaultdict(list)
   for r in records:
+    if r.get("end") == "error":
+      continue
     groups[(r["domain"], r["tier"])].append(r)
     groups[("all", r["tier"])].append(r)
   rows = []
@@ -65,7 +75,7 @@ def _fmt(x: float, digits: int = 2) -> str:
   return "–" if isinstance(x, float) and math.isnan(x) else f"{x:.{digits}f}"
 
 
-def markdown(rows: Sequence[dict[str, Any]]) -> str:
+def markdown(rows: Sequence[dict[str, Any]], not_played: dict[str, int] | None = None) -> str:
   passk = sorted({k for r in rows for k in r if k.startswith("pass@")})
   head = [
     "domain",
@@ -101,6 +111,10 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
   if failed:  # these scored 0 without the model failing: the success column undercounts
     lines.append("\n**Grading failed** (scored 0; `grade.error` in results.jsonl says why): "
                  + ", ".join(f"{k} {v}" for k, v in failed.items()))
+  if not_played:
+    lines.append("\n**Not played** (the policy failed: `error` in results.jsonl says why; not counted "
+                 "above; run the same command again to replay them): "
+                 + ", ".join(f"{k} {v}" for k, v in not_played.items()))
   return "\n".join(lines)
 
 

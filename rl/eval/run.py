@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -67,6 +68,13 @@ def run_evaluation(
 
   Returns {'rows', 'table', 'json', 'results', 'plot'}.
   """
+  for flag, value, ok in (("--samples", samples, isinstance(samples, int) and samples >= 1),
+                          ("--concurrency", concurrency, isinstance(concurrency, int) and concurrency >= 1),
+                          ("--temperature", temperature, temperature is None or (
+                              isinstance(temperature, (int, float)) and 0 <= temperature < math.inf))):
+    if not ok:  # a bad temperature was refused per request, and every episode scored 0
+      raise ValueError(f"{flag}={value!r}: must be " + ("a finite number >= 0 (0: greedy)." if flag ==
+                                                        "--temperature" else "an int >= 1."))
   out = Path(out_dir)
   out.mkdir(parents=True, exist_ok=True)
   results = out / "results.jsonl"
@@ -129,8 +137,8 @@ def run_evaluation(
     executor.shutdown()
     if engine is not None:
       engine.stop()
-  rows = report.aggregate(records)
-  table = report.markdown(rows)
+  rows, not_played = report.aggregate(records), report.unplayed(records)
+  table = report.markdown(rows, not_played)
   (out / "table.md").write_text(table + "\n")
   report.plot(rows, str(out / "success_vs_thinking.png"))
   summary = report.summary_json(rows)
@@ -153,4 +161,6 @@ def run_evaluation(
     "results": str(results),
     "plot": str(out / "success_vs_thinking.png"),
     "meta": meta,
+    "not_played": not_played,  # by domain/tier: episodes the policy failed to play (replayed on resume)
+    "first_error": next((r.get("error") for r in records if r.get("end") == "error"), None),
   }

@@ -96,6 +96,50 @@ def test_evaluate_resumes_and_reports(tmp_path):
   executor.shutdown()
 
 
+class _Down(OraclePolicy):
+  """The oracle, except that sessions of the tasks in `down` fail as a server that is down."""
+
+  def __init__(self, down):
+    super().__init__()
+    self.down = down
+
+  def session(self, task, first, tools, tier, sampling):
+    inner = super().session(task, first, tools, tier, sampling)
+    if task.id not in self.down:
+      return inner
+
+    class Failing:
+      token_level = False
+
+      def __getattr__(self, name):
+        return getattr(inner, name)
+
+      async def complete(self, messages, turn):
+        raise ConnectionError("connection refused")
+
+    return Failing()
+
+
+def test_unplayed_episodes_are_replayed_on_resume_and_not_scored(tmp_path):
+  """An episode the policy failed to play (a server down) was scored as a failure and, being in
+  results.jsonl, never played again: a resume kept the outage as the model's 0%."""
+  tasks = _tasks(4)
+  results = tmp_path / "res.jsonl"
+  executor = ThreadExecutor(workers=2)
+  first = harness.evaluate(tasks, _Down({"m1", "m2"}), executor, tiers=["low"], results=results,
+                           progress=False)
+  assert sorted(r["task_id"] for r in first if r["end"] == "error") == ["m1", "m2"]
+  rows = {(r["domain"], r["tier"]): r for r in report.aggregate(first)}
+  assert rows[("math", "low")]["n"] == 2 and rows[("math", "low")]["success"] == 1.0
+  assert report.unplayed(first) == {"math/low": 2}
+  table = report.markdown(report.aggregate(first), report.unplayed(first))
+  assert "**Not played** (the policy failed" in table and "math/low 2" in table
+  again = harness.evaluate(tasks, _Down(set()), executor, tiers=["low"], results=results, progress=False)
+  assert len(again) == 4 and all(r["success"] for r in again) and report.unplayed(again) == {}
+  assert len(results.read_text().splitlines()) == 6  # the two replays appended; the latest counts
+  executor.shutdown()
+
+
 def test_parse_tiers():
   assert harness.parse_tiers("low, max,off") == ["low", "max", None]
   with pytest.raises(ValueError, match="unknown tier 'medium'"):
@@ -147,3 +191,25 @@ def test_resume_refuses_a_task_changed_under_the_same_id(tmp_path):
   assert len(harness.evaluate(with_meta, OraclePolicy(), executor, tiers=["low"], results=results,
                               progress=False)) == 3
   executor.shutdown()
+
+
+def test_evaluate_cli_refuses_bad_sampling_and_exits_nonzero_on_unplayed(tmp_path):
+  """--temperature=-1 was refused per request, and every episode scored 0 in a finished report;
+  an evaluation against a server that is down reported 0% and exited 0."""
+  import subprocess
+  import sys
+  from pathlib import Path
+
+  from configs import sft
+  from rl.eval.run import run_evaluation
+  with pytest.raises(ValueError, match=r"--temperature=-1.0: must be a finite number >= 0"):
+    run_evaluation(sft.get_config("tiny"), tasks=_tasks(1), out_dir=str(tmp_path / "t"), tiers=[None],
+                   samples=1, concurrency=1, temperature=-1.0)
+  assert not (tmp_path / "t").exists()
+  root = Path(__file__).resolve().parents[2]
+  down = subprocess.run([sys.executable, "-m", "experiments.evaluate", "--endpoint=http://127.0.0.1:9",
+                         "--config=configs/sft.py:tiny", "--domains=math", "--n=2", "--tiers=off",
+                         f"--out={tmp_path / 'down'}"], cwd=root, capture_output=True, text=True, timeout=300)
+  assert down.returncode == 1, down.stderr[-2000:]
+  assert "2 episodes were not played" in down.stderr and "Run the same command again" in down.stderr
+  assert "**Not played**" in down.stdout

@@ -53,7 +53,8 @@ def test_compare_dirs_groups_by_domain_and_tier(tmp_path):
   a = _write_run(tmp_path / "a", AFTER + [1])  # one extra episode, not compared
   rows, unmatched = compare_dirs(b, a)
   assert [(r["domain"], r["tier"]) for r in rows] == [("math", "high"), ("all", "high")]
-  assert rows[0]["n"] == 10 and rows[0]["up"] == 3 and unmatched == {"only_before": 0, "only_after": 1}
+  assert rows[0]["n"] == 10 and rows[0]["up"] == 3
+  assert unmatched == {"only_before": 0, "only_after": 1, "unplayed_before": 0, "unplayed_after": 0}
 
 
 def test_bad_inputs_are_named(tmp_path):
@@ -108,8 +109,42 @@ def test_interrupted_runs_compare_by_their_signature_and_torn_lines(tmp_path):
   with pytest.raises(CompareError, match="the after run records no sampling settings"):
     compare_dirs(b, a)
   assert compare_dirs(b, a, allow_different_sampling=True)[0][0]["n"] == 10
-  # Only the last line may be torn: one in the middle is a broken file.
+  # A resume ends a torn line and appends after it, so a torn line may sit mid-file; the harness
+  # skips it wherever it is, and so does compare (it refused such a resumed run).
   lines = (a / "results.jsonl").read_text().splitlines()
-  (a / "results.jsonl").write_text("\n".join(lines[:3] + ["{torn"] + lines[3:]) + "\n")
-  with pytest.raises(CompareError, match="results.jsonl:4: not an evaluation record"):
-    compare_dirs(b, a, allow_different_sampling=True)
+  torn = '{"key": "math-heldout-00003|hi'
+  (a / "results.jsonl").write_text("\n".join(lines[:3] + [torn] + lines[3:]) + "\n")
+  assert compare_dirs(b, a, allow_different_sampling=True)[0][0]["n"] == 10
+
+
+def test_unplayed_episodes_are_not_scores(tmp_path):
+  """An episode the policy failed to play (end 'error': a server down) is left out and counted, and
+  a later record of its key (the resume's replay) counts instead."""
+  b = _write_run(tmp_path / "b", BEFORE)
+  a = _write_run(tmp_path / "a", AFTER)
+  lines = (a / "results.jsonl").read_text().splitlines()
+  errored = [json.dumps({**json.loads(x), "success": False, "end": "error"}) for x in lines[:4]]
+  (a / "results.jsonl").write_text("\n".join(errored + lines[4:]) + "\n")
+  rows, counts = compare_dirs(b, a)
+  assert rows[0]["n"] == 6 and counts["unplayed_after"] == 4 and counts["unplayed_before"] == 0
+  with (a / "results.jsonl").open("a") as f:  # the resume replays them
+    f.write("\n".join(lines[:4]) + "\n")
+  rows, counts = compare_dirs(b, a)
+  assert rows[0]["n"] == 10 and rows[0]["up"] == 3 and counts["unplayed_after"] == 0
+
+
+def test_zero_paired_se_has_no_z(tmp_path):
+  """Every pair moving the same way has no discordant variance: z was +inf (and 'Infinity' in the
+  JSON line, which strict parsers refuse); now it is null / '–' beside McNemar's exact p."""
+  row = paired_row([(False, True)] * 3)
+  assert row["se_paired"] == 0 and row["z_paired"] is None and row["p_mcnemar"] == pytest.approx(0.25)
+  assert paired_row([(True, True)] * 3)["z_paired"] is None
+  b = _write_run(tmp_path / "b", [0, 0, 0])
+  a = _write_run(tmp_path / "a", [1, 1, 1])
+  out = subprocess.run([sys.executable, "-m", "experiments.compare_evals", f"--before={b}", f"--after={a}"],
+                       cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip().splitlines()
+  assert "| +100.0 | 3 / 0 | 0.00 | – | 0.25 |" in out[2]
+  assert json.loads(out[-1], parse_constant=lambda c: pytest.fail(c))["rows"][0]["z_paired"] is None
+  stray = subprocess.run([sys.executable, "-m", "experiments.compare_evals", f"--before={b}", f"--after={a}",
+                          "--allow_different_sampling", "false"], cwd=ROOT, capture_output=True, text=True)
+  assert stray.returncode and "unexpected arguments ['false']" in stray.stderr
