@@ -284,6 +284,9 @@ def test_a_damaged_step_is_named_with_the_way_back(tmp_path):
     meta.write_text(bad)
     with pytest.raises(ck.CheckpointError, match=says):
       ck.read_meta(d)
+  for bad in (True, "2", 1.0):
+    with pytest.raises(ck.CheckpointError, match=r"step=.* must be an int \(finalized steps: \[1, 2\]\)"):
+      ck.restore_params(d, model, step=bad)
   (d / "3").mkdir()  # a numeric directory a copy left empty
   with pytest.raises(ck.CheckpointError, match=rf"step 3 is damaged: .*{d}/3 is empty .*use step 2"):
     ck.read_meta(d)

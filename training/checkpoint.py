@@ -109,6 +109,8 @@ def _resolve_step(mngr: ocp.CheckpointManager, step: int | None) -> int:
                                   f"save leaves only a temporary directory, which is ignored){hint}.")
   if step is None:
     return steps[-1]
+  if isinstance(step, bool) or not isinstance(step, (int, np.integer)):  # True read step 1
+    raise CheckpointError(f"step={step!r} must be an int (finalized steps: {steps}).")
   if step not in steps:
     raise CheckpointNotFoundError(f"no checkpoint for step {step} in {mngr.directory}; "
                                   f"finalized steps: {steps}.")
