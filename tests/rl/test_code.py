@@ -128,6 +128,23 @@ def test_exiting_early_with_code_0_does_not_pass(level, path, content, exit_code
   assert replay(task, ctx, [dict(t) for t in task.oracle]).reward == 1.0  # the real fix still passes
 
 
+@pytest.mark.parametrize("cls", [
+    "class Anything:\n    def __eq__(self, other):\n        return True\n    __hash__ = None\n",
+    "class Anything(int):\n    def __eq__(self, other):\n        return True\n    def __ne__(self, other):\n"
+    "        return False\n    __hash__ = int.__hash__\n",
+])
+def test_an_always_equal_result_does_not_pass(cls, ctx):
+  """HumanEval's `check` compares with ==: a function returning an object whose __eq__ is always
+  true passed every assert (and printed the marker). The hidden test wants plain values."""
+  from rl.tasks.generators import code
+  task = generate("code", split="train", difficulty=2, n=1, seed=0)[0]
+  entry = code._problems()[task.meta["source"]]["entry_point"]
+  hack = f"{cls}\n\ndef {entry}(*args, **kwargs):\n    return Anything()\n"
+  grade = replay(task, ctx, _write_then_done("solution.py", hack))
+  assert grade.reward == 0.0 and grade.details["exit_code"] == 1, grade.details
+  assert replay(task, ctx, [dict(t) for t in task.oracle]).reward == 1.0
+
+
 def test_pass_marker_must_be_hidden_and_printed():
   task = generate("code", split="train", difficulty=0, n=1, seed=0)[0].to_json()
   marker = task["pass_marker"]

@@ -115,7 +115,7 @@ BAD = [
   (
     {"id": "x", "domain": "cad", "prompt": "p", "target": {"sphere": 1, "at": [0, 0]}},
     "target.at",
-    "3 finite",
+    "3 numbers in [-10000, 10000]",
   ),
   (
     {

@@ -208,10 +208,47 @@ def _split_problems(split: str) -> list[str]:
                 if v and common.split_of((DOMAIN, "humaneval", k)) == split)
 
 
+# The hidden copy's guard: HumanEval's `check` compares with ==, so a function returning an object
+# whose __eq__ is always true passed every assert. Every HumanEval function returns plain values
+# (numbers, strings, None and containers of them), so anything else fails; the names are bound
+# before solution.py is imported, which therefore cannot swap them.
+_PLAIN_GUARD = """_plain_types = (int, float, complex, str, bytes, bool, type(None))
+_containers = (list, tuple, set, frozenset)
+_type, _all, _isinstance = type, all, isinstance
+
+
+def _plain(x, depth=0):
+    if depth > 50:
+        return False
+    if _type(x) in _plain_types:
+        return True
+    if _type(x) in _containers:
+        return _all(_plain(v, depth + 1) for v in x)
+    if _type(x) is dict:
+        return _all(_plain(k, depth + 1) and _plain(v, depth + 1) for k, v in x.items())
+    return False
+
+
+def _plain_results(f):
+    def checked(*args, **kwargs):
+        out = f(*args, **kwargs)
+        if not _plain(out):
+            raise AssertionError(f"{f.__name__} returned a {_type(out).__name__}, not plain values")
+        return out
+    return checked
+
+
+"""
+
+
 def _visible_test(problem: dict[str, Any], marker: str | None = None) -> str:
-  """The problem's `check` as a script; the hidden copy (`marker` given) prints it at the end."""
-  return (f"from solution import *  # noqa: F403\n\n{problem['test'].strip()}\n\n\n"
-          f"if __name__ == \"__main__\":\n    check({problem['entry_point']})\n"
+  """The problem's `check` as a script; the hidden copy (`marker` given) checks that the function
+  returns plain values (`_PLAIN_GUARD`) and prints the marker at the end."""
+  entry = problem["entry_point"]
+  checked = f"_plain_results({entry})" if marker else entry
+  return ((_PLAIN_GUARD if marker else "")
+          + f"from solution import *  # noqa: F403\n\n{problem['test'].strip()}\n\n\n"
+          f"if __name__ == \"__main__\":\n    check({checked})\n"
           "    print(\"all tests passed\")\n" + (f"    print({marker!r})\n" if marker else ""))
 
 
