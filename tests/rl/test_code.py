@@ -1,6 +1,7 @@
 """Code tasks: generation contract, mutant validity, oracle/near-miss grading, hidden tests."""
 
 import json
+import re
 
 import pytest
 
@@ -143,6 +144,15 @@ def test_an_always_equal_result_does_not_pass(cls, ctx):
   grade = replay(task, ctx, _write_then_done("solution.py", hack))
   assert grade.reward == 0.0 and grade.details["exit_code"] == 1, grade.details
   assert replay(task, ctx, [dict(t) for t in task.oracle]).reward == 1.0
+  # Level 3 (unittest's assertEqual compares with == too): every function of the package hacked.
+  task = generate("code", split="train", difficulty=3, n=1, seed=0)[0]
+  writes = [{"name": "write_file", "arguments": {"path": path, "content": cls + "".join(
+              f"\n\ndef {name}(*args, **kwargs):\n    return Anything()\n"
+              for name in re.findall(r"^def (\w+)", text, re.M))}}
+            for path, text in task["files"].items() if not path.startswith("tests/") and "def " in text]
+  grade = replay(task, ctx, [{"thinking": "", "content": "", "tool_calls": writes},
+                             {"thinking": "", "content": "done", "tool_calls": []}])
+  assert grade.reward == 0.0 and grade.details["exit_code"] == 1, grade.details
 
 
 def test_pass_marker_must_be_hidden_and_printed():

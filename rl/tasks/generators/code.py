@@ -391,15 +391,20 @@ def _package_task(rng: random.Random, split: str) -> dict[str, Any]:
     if buggy:
       fixes.append((path, old, new))
     for args, want in _cases(rng, fn, source, buggy, 3):
-      tests.append(f"    def test_{fn[0]}_{len(tests)}(self):\n"
-                   f"        self.assertEqual({mod}.{fn[0]}({', '.join(map(repr, args))}), {want})\n")
+      tests.append((f"    def test_{fn[0]}_{len(tests)}(self):\n        self.assertEqual(",
+                    f"{mod}.{fn[0]}", f"({', '.join(map(repr, args))}), {want})\n"))
   imports = "".join(f"from {pkg} import {m}\n" for m in sorted(mods))
-  test = f"import unittest\n\n{imports}\n\nclass Test{pkg.title()}(unittest.TestCase):\n" + "\n".join(tests)
+
+  def test(guarded: bool) -> str:  # the hidden copy checks for plain results (_PLAIN_GUARD)
+    cases = [head + (f"_plain_results({call})" if guarded else call) + tail for head, call, tail in tests]
+    return ((_PLAIN_GUARD if guarded else "") + f"import unittest\n\n{imports}\n\n"
+            f"class Test{pkg.title()}(unittest.TestCase):\n" + "\n".join(cases))
+
   test_path, run = f"tests/test_{pkg}.py", f"python3 -m tests.test_{pkg}"
-  visible = test + "\n\nif __name__ == \"__main__\":\n    unittest.main()\n"
+  visible = test(False) + "\n\nif __name__ == \"__main__\":\n    unittest.main()\n"
   files = {f"{pkg}/__init__.py": "", "tests/__init__.py": "", test_path: visible} | bad
   marker = pass_marker(files)
-  hidden = (test + "\n\nif __name__ == \"__main__\":\n    result = unittest.main(exit=False).result\n"
+  hidden = (test(True) + "\n\nif __name__ == \"__main__\":\n    result = unittest.main(exit=False).result\n"
             f"    if result.wasSuccessful():\n        print({marker!r})\n"
             "    raise SystemExit(0 if result.wasSuccessful() else 1)\n")
   oracle = [common.turn("First I run the tests to see what fails.", calls=[("shell", {"command": run})]),
