@@ -32,8 +32,8 @@ Translation (why each choice):
     CPU variants think for tens of tokens (configs/serve.py).
   * `tool_choice` any/tool together with thinking is accepted (Anthropic
     rejects it): the constraint starts once thinking has ended.
-  * `disable_parallel_tool_use` is accepted; any/tool always yield exactly one
-    call, auto may yield several.
+  * `disable_parallel_tool_use`: under auto, at most one call (the turn ends when
+    it closes); any/tool always yield exactly one call.
   * Thinking: `{type: enabled, budget_tokens: N}` -> budget N (< max_tokens,
     which counts thinking too); `{type: adaptive}` -> the budget of the effort
     tier; `{type: disabled}` -> off; absent -> config.serving.default_effort.
@@ -365,11 +365,12 @@ _TOOL_CHOICE_MODES = {"none": "none", "auto": "auto", "any": "required", "tool":
 def convert_tool_choice(choice: ToolChoiceSpec | None, tools: list[Tool]) -> ToolChoice:
   if choice is None:
     return resolve_tool_choice(None, tools)
+  single = bool(choice.disable_parallel_tool_use)
   if choice.type == "tool" and tools and choice.name is None:
     _fail("tool_choice.name", "Field required")
   name = choice.name if choice.type == "tool" and tools else None
   try:
-    return resolve_tool_choice(_TOOL_CHOICE_MODES[choice.type], tools, name)
+    return resolve_tool_choice(_TOOL_CHOICE_MODES[choice.type], tools, name, parallel=not single)
   except ValueError as e:
     _fail("tool_choice.name" if name is not None else "tool_choice", str(e))
 

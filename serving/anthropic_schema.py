@@ -193,7 +193,7 @@ class ToolSpec(_Body):
 class ToolChoiceSpec(_Body):
   type: Literal["auto", "any", "tool", "none"]
   name: str | None = None
-  disable_parallel_tool_use: bool | None = None  # accepted: any/tool always yield exactly one call
+  disable_parallel_tool_use: bool | None = None  # auto: at most one call; any/tool always make one
 
 
 Display = Literal["summarized", "omitted"]

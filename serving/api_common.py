@@ -52,8 +52,10 @@ def effort_thinking(effort: str | None, serving: Any) -> ThinkingSettings:
   return ThinkingSettings(True, int(serving.thinking_budgets[tier]), tier)
 
 
-def resolve_tool_choice(mode: str | None, tools: Sequence[Tool], name: str | None = None) -> ToolChoice:
-  """The ToolChoice of a request: mode none / auto / required / named (`name`), None when not given.
+def resolve_tool_choice(mode: str | None, tools: Sequence[Tool], name: str | None = None,
+                        parallel: bool = True) -> ToolChoice:
+  """The ToolChoice of a request: mode none / auto / required / named (`name`), None when not given;
+  parallel=False: at most one call per turn.
 
   Not given, or auto without tools, is 'none' (nothing can be called).
 
@@ -61,7 +63,7 @@ def resolve_tool_choice(mode: str | None, tools: Sequence[Tool], name: str | Non
     ValueError: required / named without tools, or a name that is not among the tools.
   """
   if mode is None or mode == "auto":
-    return ToolChoice("auto" if tools else "none")
+    return ToolChoice("auto", parallel=parallel) if tools else ToolChoice("none")
   if mode == "none":
     return ToolChoice("none")
   if not tools:

@@ -5,9 +5,9 @@ validation error into OpenAI's `{"error": {..., "param": "messages[0].role"}}`
 with status 400, as OpenAI answers; serving/errors.py words the first error,
 for this API and the Anthropic one alike). Unknown fields are accepted and ignored
 (clients send `user`, `metadata`, `store`, ...); features this server does
-not have (logprobs, `suffix`, `best_of` > n, logit_bias, penalties, `functions`,
-`parallel_tool_calls=false`)
+not have (logprobs, `suffix`, `best_of` > n, logit_bias, penalties, `functions`)
 are refused with a 400 naming the field rather than silently ignored.
+`parallel_tool_calls=false` is honoured: at most one call per turn.
 
 Types are strict, as in the Anthropic schema (serving/anthropic_schema.py):
 nothing is coerced, so `"stream": "yes"`, `"max_tokens": "5"` or
@@ -161,8 +161,6 @@ _UNSUPPORTED = (
     ("functions", lambda v, b: v is not None, "functions is not supported; use `tools` and `tool_choice`."),
     ("function_call", lambda v, b: v is not None,
      "function_call is not supported; use `tools` and `tool_choice`."),
-    ("parallel_tool_calls", lambda v, b: v is False, "parallel_tool_calls=false is not supported: the model "
-     "may call several tools in one turn; leave it unset or true."),
     ("suffix", lambda v, b: bool(v), "suffix (insertion) is not supported by this server."),
     ("best_of", lambda v, b: v not in (None, 1, b.n),
      "best_of > n is not supported (it needs logprobs to rank candidates); use n."),
@@ -201,7 +199,7 @@ def convert_tools(body: ChatRequest, max_tools: int) -> tuple[list[Tool], ToolCh
   choice = body.tool_choice
   mode, name = ("named", choice.function.name) if isinstance(choice, NamedToolChoice) else (choice, None)
   try:
-    resolved = resolve_tool_choice(mode, tools, name)
+    resolved = resolve_tool_choice(mode, tools, name, parallel=body.parallel_tool_calls is not False)
   except ValueError as e:
     raise APIError(400, str(e), param="tool_choice") from None
   _check_constrained_tools(tools, resolved)

@@ -274,6 +274,8 @@ class OutputProcessor:
       return self._ban
     if self._constraint is not None and not self._constraint.done:
       return self._constraint.next()
+    if self._one_call_made():
+      return self._id["end_of_turn"]
     if self._phase == "call" and self._calls is not None:
       return self._calls.next()
     if self._phase == "answer" and self._answer is not None:
@@ -289,7 +291,7 @@ class OutputProcessor:
     if self._phase == "think":
       left = (1 << 30) if self._budget is None else self._budget - self.thinking_tokens
       return FreeRun(self._ban, self._specials, left) if left > 0 else None
-    free = self._constraint is None or self._constraint.done
+    free = (self._constraint is None or self._constraint.done) and not self._one_call_made()
     if self._phase == "answer" and free and self._answer is None:
       return FreeRun(self._ban, self._specials, 1 << 30)
     return None
@@ -348,6 +350,11 @@ class OutputProcessor:
     return out
 
   # ---------------------------------------------------------------- internals --
+
+  def _one_call_made(self) -> bool:
+    """tool_choice.parallel False and a call has closed: the turn ends now (OpenAI
+    parallel_tool_calls=false, Anthropic disable_parallel_tool_use)."""
+    return not self._choice.parallel and self._phase == "answer" and bool(self.tool_calls)
 
   def _deliver(self, out: list[Delta], cls: type, text: str) -> None:
     if text:

@@ -83,9 +83,14 @@ class Message:
 
 @dataclasses.dataclass(frozen=True)
 class ToolChoice:
-  """none: never call; auto: the model decides; required: at least one call; named: call `name`."""
+  """none: never call; auto: the model decides; required: at least one call; named: call `name`.
+
+  parallel=False (OpenAI `parallel_tool_calls: false`, Anthropic `disable_parallel_tool_use`):
+  at most one call per turn; the turn ends when it closes. (required / named make one anyway.)
+  """
   mode: Literal["none", "auto", "required", "named"] = "auto"
   name: str | None = None
+  parallel: bool = True
 
 
 # ---- what generation produces, in order, per request -------------------------

@@ -244,6 +244,24 @@ def test_stop_string_inside_malformed_call_text(tok):
   assert reason == "stop" and proc.text == "junk " and proc.stop_sequence == "END"
 
 
+def test_one_call_per_turn_when_parallel_calls_are_off(tok):
+  """ToolChoice(parallel=False) (OpenAI parallel_tool_calls=false, Anthropic
+  disable_parallel_tool_use; refused / ignored before): once a call closes, the turn ends."""
+  c1 = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+  proc = OutputProcessor(tok, thinking=False, thinking_budget=None, tools=TOOLS,
+                         tool_choice=ToolChoice("auto", parallel=False))
+  assert proc.free_run() is not None  # text and the first call are free
+  for i in enc(tok, "Sure.") + _call_ids(tok, c1):
+    assert proc.feed(i)[1] is None
+  assert [c.name for c in proc.tool_calls] == ["get_weather"]
+  assert proc.next_constraint() == sp(tok, "end_of_turn") and proc.free_run() is None
+  assert proc.feed(sp(tok, "end_of_turn"))[1] == "tool_calls"
+  free = OutputProcessor(tok, thinking=False, thinking_budget=None, tools=TOOLS)  # the default: parallel
+  for i in _call_ids(tok, c1):
+    free.feed(i)
+  assert not isinstance(free.next_constraint(), int) and free.free_run() is not None
+
+
 def test_tool_choice_none_bans_call_marker(tok):
   proc = OutputProcessor(tok, thinking=True, thinking_budget=2, tools=TOOLS, tool_choice=ToolChoice("none"))
   mask = proc.next_constraint()
@@ -374,3 +392,20 @@ def test_forced_call_cut_by_length_is_a_truncated_call(tok, choice):
   assert proc.finish_reason("length") == "length"
   assert call.name == "add" if choice.mode == "named" else any(t.name.startswith(call.name) for t in TOOLS)
   assert '{"name": ' not in call.arguments  # only the arguments' JSON so far
+
+
+def test_both_apis_pass_single_call_requests_on():
+  """OpenAI parallel_tool_calls=false (refused with a 400 before) and Anthropic
+  disable_parallel_tool_use (accepted and ignored under auto before) reach the processor."""
+  from serving.anthropic_request import convert_tool_choice
+  from serving.anthropic_schema import ToolChoiceSpec
+  from serving.openai_request import ChatRequest, convert_tools
+  tool = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+  body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [tool]}
+  for extra, parallel in (({}, True), ({"parallel_tool_calls": True}, True),
+                          ({"parallel_tool_calls": False}, False)):
+    _, choice = convert_tools(ChatRequest(**body, **extra), max_tools=8)
+    assert (choice.mode, choice.parallel) == ("auto", parallel)
+  for spec, parallel in (({"type": "auto"}, True),
+                         ({"type": "auto", "disable_parallel_tool_use": True}, False)):
+    assert convert_tool_choice(ToolChoiceSpec(**spec), TOOLS).parallel is parallel

@@ -312,7 +312,6 @@ def test_models(client, server_url):
     (dict(messages=_user("hi"), extra_body={"functions": [{"name": "f", "parameters": {}}]}), "functions"),
     (dict(messages=_user("hi"), extra_body={"function_call": "auto"}), "function_call"),
     (dict(messages=_user("hi"), top_logprobs=5), "top_logprobs"),
-    (dict(messages=_user("hi"), tools=[TOOL], parallel_tool_calls=False), "parallel_tool_calls"),
     (dict(messages=_user("hi"), logprobs=True), "logprobs"),
 ])
 def test_errors_name_the_param(client, kw, param):
