@@ -16,7 +16,8 @@ with 10% reserved. Last line: one JSON object with every number in bytes.
 
 `--validate` compiles the real train step for a small config on one device of
 this host and prints XLA's temp bytes next to the activation estimate, per
-remat policy and per block kind; last line JSON.
+remat policy and per block kind; last line JSON. It takes only --config,
+--global_batch and --seq_len, and refuses the other flags when they are given.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from training import memory_plan as mp
 _CONFIG = define_config_flag()
 _MESH = flags.DEFINE_string("mesh", "data=1,fsdp=1,expert=1,tensor=1",
                             "Mesh axis sizes, e.g. 'data=1,fsdp=64,expert=8,tensor=1' (-1 needs --devices).")
-_DEVICES = flags.DEFINE_integer("devices", None, "Device count, to resolve a -1 axis of --mesh.")
+_DEVICES = flags.DEFINE_integer("devices", None, "Device count (>= 1), to resolve a -1 axis of --mesh.")
 _GLOBAL_BATCH = flags.DEFINE_integer("global_batch", None, "Sequences per optimizer step (all devices).")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 4096, "Tokens per sequence.")
 _MICRO = flags.DEFINE_integer("micro_batches", 1, "Gradient-accumulation steps per optimizer step.")
@@ -48,15 +49,23 @@ _NAME = flags.DEFINE_string("name", "", "A label for this row (e.g. the cluster)
 _VALIDATE = flags.DEFINE_bool("validate", False, "Compare the activation estimate with XLA's temp "
                               "bytes of the compiled train step (and of each block kind) on one "
                               "device of this host, for --global_batch sequences of --seq_len "
-                              "(tiny/small configs; the mesh flags are ignored).")
+                              "(tiny/small configs; takes only --config, --global_batch and --seq_len).")
+# What --validate does not read: given with it, they are refused rather than ignored.
+_PLAN_ONLY = (_MESH, _DEVICES, _MICRO, _REMAT, _HBM, _OPTIMIZER, _BACKEND, _EXCHANGE, _NAME)
 
 
 def main(argv):
-  del argv
+  if len(argv) > 1:  # `--validate false` parses as --validate and leaves 'false' here
+    raise app.UsageError(f"unexpected arguments {argv[1:]}; flags take the form --flag=value")
   cfg = model_config(_CONFIG.value)
   if _GLOBAL_BATCH.value is None:
     raise app.UsageError("--global_batch is required (sequences per optimizer step).")
   if _VALIDATE.value:
+    given = [f"--{f.name}" for f in _PLAN_ONLY if flags.FLAGS[f.name].present]
+    if given:
+      raise app.UsageError(f"--validate does not use {', '.join(given)} (it compiles the config on one "
+                           "device of this host, for every remat policy); drop them, or drop --validate "
+                           "for the memory plan.")
     text, numbers = mp.validate_report(cfg, _GLOBAL_BATCH.value, _SEQ_LEN.value)
     print(text)
     print(json.dumps(numbers))

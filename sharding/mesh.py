@@ -83,23 +83,35 @@ class MeshConfig:
           raise MeshError(f"--mesh={text!r}: axis {name!r} is given twice; give each axis once.")
         given.add(name)
         d[name] = size(value)
-      return cls.from_config(d)
-    parts = [size(p) for p in text.split(",")]
-    if len(parts) != len(MESH_AXES):
-      raise MeshError(f"--mesh={text!r}: give {len(MESH_AXES)} sizes {MESH_AXES} or name=size pairs.")
-    return cls.from_config(dict(zip(MESH_AXES, parts, strict=True)))
+    else:
+      parts = [size(p) for p in text.split(",")]
+      if len(parts) != len(MESH_AXES):
+        raise MeshError(f"--mesh={text!r}: give {len(MESH_AXES)} sizes {MESH_AXES} or name=size pairs.")
+      d = dict(zip(MESH_AXES, parts, strict=True))
+    # Checked here so that the errors name --mesh (from_config's name the config.mesh fields).
+    bad = [f"{n}={v}" for n, v in d.items() if v < 1 and v != -1]
+    if bad:
+      raise MeshError(f"--mesh={text!r}: axis size {', '.join(bad)} must be a positive int or -1 (fill).")
+    if list(d.values()).count(-1) > 1:
+      raise MeshError(f"--mesh={text!r}: at most one axis may be -1 (fill); give the others their sizes.")
+    return cls.from_config(d)
 
-  def resolve(self, num_devices: int) -> tuple[int, ...]:
-    """Axis sizes with -1 filled in; checks the product equals num_devices."""
+  def resolve(self, num_devices: int, where: str = "config.mesh") -> tuple[int, ...]:
+    """Axis sizes with -1 filled in; checks num_devices >= 1 and that the product equals it.
+
+    where: how errors name the mesh (the config field, or the flag it was parsed from).
+    """
+    if isinstance(num_devices, bool) or not isinstance(num_devices, (int, np.integer)) or num_devices < 1:
+      raise MeshError(f"{where}: a mesh needs at least 1 device, got num_devices={num_devices!r}.")
     sizes = [getattr(self, n) for n in MESH_AXES]
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
       if num_devices % known:
-        raise MeshError(f"config.mesh {dict(zip(MESH_AXES, sizes, strict=True))}: the fixed axes "
+        raise MeshError(f"{where} {dict(zip(MESH_AXES, sizes, strict=True))}: the fixed axes "
                         f"multiply to {known}, which does not divide {num_devices} devices.")
       sizes[sizes.index(-1)] = num_devices // known
     if math.prod(sizes) != num_devices:
-      raise MeshError(f"config.mesh {dict(zip(MESH_AXES, sizes, strict=True))} has "
+      raise MeshError(f"{where} {dict(zip(MESH_AXES, sizes, strict=True))} has "
                       f"{math.prod(sizes)} devices but {num_devices} are available; make the "
                       "product match or set one axis to -1.")
     return tuple(sizes)

@@ -14,6 +14,7 @@ from configs import horizon
 from model.config import ModelConfig
 from model.decoder import abstract_model
 from model.param_count import count_parameters
+from sharding.mesh import MeshError
 from sharding.rules import ShardingError
 from training import activation_memory as am
 from training import memory_plan as mp
@@ -150,3 +151,85 @@ def test_validate_report_tables_every_policy_and_block(monkeypatch):
   assert lines[2].split()[1:] == ["2.0", "1.0", "0.50"]  # MiB, MiB, ratio
   assert sum(line.startswith("block ") for line in lines) == 3
   json.dumps(numbers)  # the launcher's last line
+
+
+def test_devices_below_one_names_the_flag():
+  """--devices=0 filled the -1 axis with 0 (ZeroDivisionError later); -4 failed naming Local's seqs."""
+  for n in (0, -4):
+    with pytest.raises(ValueError, match=f"^--devices={n} must be a positive device count"):
+      mp.mesh_shape_from_flags("data=1,fsdp=-1,expert=1,tensor=1", n)
+  with pytest.raises(ValueError, match="^--devices=0"):  # not '1 devices but 0 are available'
+    mp.mesh_shape_from_flags("data=1,fsdp=1,expert=1,tensor=1", 0)
+  with pytest.raises(MeshError, match=r"^--mesh='data=3,fsdp=-1' \(--devices=8\) .*does not divide 8"):
+    mp.mesh_shape_from_flags("data=3,fsdp=-1", 8)
+  with pytest.raises(MeshError, match=r"^--mesh='data=0,fsdp=-1': axis size data=0"):
+    mp.mesh_shape_from_flags("data=0,fsdp=-1", 8)
+  assert mp.mesh_shape_from_flags("data=2,fsdp=-1", 8) == {"data": 2, "fsdp": 4, "expert": 1, "tensor": 1}
+
+
+@pytest.mark.parametrize("batch,seq_len,match", [
+    (0, 32, "^--global_batch=0 must be a positive integer"),
+    (-2, 32, "^--global_batch=-2 must be a positive integer"),
+    (1, 0, r"^--seq_len=0 must be in \[1, "),
+    (1, 100_000, r"^--seq_len=100000 must be in \[1, config.model.max_seq_len=256\]"),
+])
+def test_validate_refuses_bad_batch_and_seq_len_before_compiling(batch, seq_len, match, monkeypatch):
+  """--validate compiled tiny at 100000 tokens (max_seq_len 256) and failed naming Local's seqs for
+  --global_batch=0; it now checks what plan() checks, by flag, before any compile."""
+  def compiled(*args):
+    raise AssertionError("compiled before checking the flags")
+
+  monkeypatch.setattr(mp, "compiled_train_step_temp", compiled)
+  monkeypatch.setattr(mp, "compiled_block_temp", compiled)
+  cfg = _cfg("tiny")
+  with pytest.raises(ValueError, match=match):
+    mp.validate(cfg, batch, seq_len)
+  with pytest.raises(ValueError, match=match):
+    mp.validate_blocks(cfg, batch, seq_len)
+  with pytest.raises(ValueError, match=match):
+    mp.plan(cfg, ONE, global_batch=batch, seq_len=seq_len)
+
+
+# The CLI's own checks, each run in-process by one driver (the flags are absl globals, kept out of
+# pytest's process); a compile would mean a check did not fire.
+_CLI_DRIVER = """
+import json, sys
+from absl import flags
+from experiments import memory_plan as cli
+from training import memory_plan as mp
+def compiled(*args):
+  raise RuntimeError("compiled")
+mp.compiled_train_step_temp = mp.compiled_block_temp = compiled
+for name, args in json.loads(sys.argv[1]).items():
+  argv = flags.FLAGS(["memory_plan", "--config=configs/horizon.py:tiny", *args])
+  try:
+    cli.main(argv)
+    print(name, "| ran")
+  except Exception as e:
+    print(name, "|", type(e).__name__, e)
+  flags.FLAGS.unparse_flags()
+"""
+
+
+def test_cli_refuses_flags_validate_ignores_and_stray_arguments():
+  cases = {
+      "unused": ["--validate", "--global_batch=1", "--seq_len=32", "--micro_batches=7", "--hbm_gib=-1",
+                 "--remat=full", "--backend=gpu", "--exchange=capacity", "--name=X", "--mesh=data=1",
+                 "--devices=1"],
+      "defaults_given": ["--validate", "--global_batch=1", "--seq_len=32", "--optimizer=adamw"],
+      "stray": ["--validate", "false", "--global_batch=1", "--seq_len=32"],
+      "seq_len": ["--validate", "--global_batch=1", "--seq_len=100000"],
+      "devices": ["--mesh=data=1,fsdp=-1,expert=1,tensor=1", "--devices=0", "--global_batch=4",
+                  "--seq_len=64"],
+  }
+  out = subprocess.run([sys.executable, "-c", _CLI_DRIVER, json.dumps(cases)], cwd=ROOT, capture_output=True,
+                       text=True, check=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}).stdout
+  got = dict(line.split(" | ", 1) for line in out.strip().splitlines() if " | " in line)
+  assert got["unused"] == ("UsageError --validate does not use --mesh, --devices, --micro_batches, --remat, "
+                           "--hbm_gib, --backend, --exchange, --name (it compiles the config on one device "
+                           "of this host, for every remat policy); drop them, or drop --validate for the "
+                           "memory plan."), got
+  assert got["defaults_given"].startswith("UsageError --validate does not use --optimizer ("), got
+  assert got["stray"] == ("UsageError unexpected arguments ['false']; flags take the form --flag=value"), got
+  assert got["seq_len"].startswith("ValueError --seq_len=100000 must be in [1, "), got
+  assert got["devices"].startswith("ValueError --devices=0 must be a positive device count"), got

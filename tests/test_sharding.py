@@ -88,6 +88,23 @@ def test_mesh_fill_and_errors():
     mesh_lib.MeshConfig.parse("1,two,1,1")
 
 
+def test_mesh_refuses_fewer_than_one_device_and_names_the_flag():
+  """0 devices filled a -1 axis with 0 and passed the product check (0 == 0); a bad --mesh size was
+  reported as the config.mesh field."""
+  fill = mesh_lib.MeshConfig.parse("fsdp=-1")
+  for n in (0, -4):
+    with pytest.raises(mesh_lib.MeshError, match=f"at least 1 device, got num_devices={n}"):
+      fill.resolve(n)
+  with pytest.raises(mesh_lib.MeshError, match="^config.mesh: a mesh needs at least 1 device"):
+    mesh_lib.make_mesh({"data": 1, "fsdp": -1, "expert": 1, "tensor": 1}, devices=[])
+  with pytest.raises(mesh_lib.MeshError, match=r"^--mesh \{.*does not divide 6"):
+    mesh_lib.MeshConfig(data=4, fsdp=-1, expert=1, tensor=1).resolve(6, where="--mesh")
+  with pytest.raises(mesh_lib.MeshError, match=r"^--mesh='data=0,fsdp=-1': axis size data=0 must be"):
+    mesh_lib.MeshConfig.parse("data=0,fsdp=-1")
+  with pytest.raises(mesh_lib.MeshError, match=r"^--mesh='-1,-1,1,1': at most one axis may be -1"):
+    mesh_lib.MeshConfig.parse("-1,-1,1,1")
+
+
 def test_logical_to_spec():
   table = rules_lib.PARAM_RULES
   assert rules_lib.logical_to_spec(("expert", "embed", "mlp"), table) == P("expert", "fsdp", "tensor")

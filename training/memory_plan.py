@@ -130,13 +130,21 @@ def local_batch(global_batch: int, micro_batches: int, mesh_shape: Mapping[str, 
   return global_batch // (shards * micro_batches)
 
 
+def check_batch_and_seq_len(cfg: ModelConfig, global_batch: int | None, seq_len: int) -> None:
+  """Refuses --global_batch < 1 and --seq_len outside [1, max_seq_len] (raises naming the flag)."""
+  if global_batch is None or global_batch < 1:
+    raise ValueError(f"--global_batch={global_batch} must be a positive integer (sequences per "
+                     "optimizer step).")
+  if seq_len < 1 or seq_len > cfg.max_seq_len:
+    raise ValueError(f"--seq_len={seq_len} must be in [1, config.model.max_seq_len={cfg.max_seq_len}].")
+
+
 def plan(cfg: ModelConfig, mesh_shape: Mapping[str, int], *, global_batch: int, seq_len: int,
          micro_batches: int = 1, remat: str | None = None, backend: str = "tpu",
          exchange: str | None = None, hbm_gib: float | None = None,
          rules: rules_lib.Rules | None = None, state: Any = None) -> dict[str, Any]:
   """Everything the table prints, in bytes per device (see the module docstring)."""
-  if seq_len < 1 or seq_len > cfg.max_seq_len:
-    raise ValueError(f"--seq_len={seq_len} must be in [1, config.model.max_seq_len={cfg.max_seq_len}].")
+  check_batch_and_seq_len(cfg, global_batch, seq_len)
   remat = remat or cfg.remat
   exchange_used = am.resolve_exchange(exchange or cfg.expert_exchange, backend)
   seqs = local_batch(global_batch, micro_batches, mesh_shape, rules)
@@ -215,7 +223,8 @@ VALIDATE_LIMIT = 16 * GIB  # what a validation compile may plan on this host
 
 
 def check_validate_size(cfg: ModelConfig, batch: int, seq_len: int) -> None:
-  """Refuses configs whose train step would not fit this host (raises naming the need)."""
+  """Refuses a bad --global_batch or --seq_len (as `plan` does) and a step too big for this host."""
+  check_batch_and_seq_len(cfg, batch, seq_len)
   one = dict.fromkeys(MESH_AXES, 1)
   need = (3 * state_bytes(cfg, one)["params"]
           + am.model_activation_bytes(cfg, _host_local(batch, seq_len), "none")["total"])
@@ -246,6 +255,7 @@ def validate_blocks(cfg: ModelConfig, batch: int, seq_len: int) -> dict[str, dic
   rebuild at their peak (`LayerMemory.saved + peak_extra`), and unlike the
   whole step it does not depend on the backend honouring remat.
   """
+  check_batch_and_seq_len(cfg, batch, seq_len)
   loc = _host_local(batch, seq_len)
   kinds = dict.fromkeys(zip(cfg.layer_kinds, cfg.ffn_kinds, strict=True))
   blocks = {b.name: b for b in am.block_layers(cfg, loc)}
@@ -263,15 +273,19 @@ def validate_blocks(cfg: ModelConfig, batch: int, seq_len: int) -> dict[str, dic
 
 def mesh_shape_from_flags(text: str, devices: int | None) -> dict[str, int]:
   """{axis: size} from --mesh text ('data=1,fsdp=64,...'); a -1 axis is resolved with --devices."""
+  if devices is not None and devices < 1:  # 0 filled a -1 axis with 0 and divided by it later
+    raise ValueError(f"--devices={devices} must be a positive device count (>= 1), or leave it out "
+                     "and give every --mesh axis a size.")
   mesh = MeshConfig.parse(text)
   sizes = [getattr(mesh, a) for a in MESH_AXES]
+  where = f"--mesh={text!r} (--devices={devices})"
   if -1 in sizes:
     if devices is None:
       raise ValueError(f"--mesh={text!r} has a -1 axis; pass --devices=N to resolve it, or give "
                        "every axis a size.")
-    sizes = list(mesh.resolve(devices))
+    sizes = list(mesh.resolve(devices, where=where))
   elif devices is not None:
-    mesh.resolve(devices)  # checks the product
+    mesh.resolve(devices, where=where)  # checks the product
   return dict(zip(MESH_AXES, sizes, strict=True))
 
 
