@@ -12,6 +12,13 @@ question type next to chance (1 / number of options) and "present" (the
 accuracy of naming a random shape that is in the image), and, last, a JSON
 object with the same numbers.
 
+--steps, --batch, --seq_len, --learning_rate and --warmup_steps set config.train's
+steps, global_batch, seq_len, learning_rate and warmup_steps; their defaults
+are this experiment's recipe, not the config's, so `--config.train.steps=2`
+(or any of those five) is refused with the flag to use instead (`--steps=2`).
+Other config.train fields apply (`--config.train.grad_accum=2`). Bad values
+are refused, naming the flag, before the model is built.
+
 Measured (tiny, defaults: 600 steps of 32, lr 3e-3, ~2.5 min on 2 CPU cores),
 accuracy / chance / present: colour 0.51 / 0.17 / 0.60, shape 0.41 / 0.33 /
 0.61, count 0.99 / 0.33, position 0.45 / 0.25 / 0.65. So `tiny` reads colours
@@ -25,30 +32,38 @@ from __future__ import annotations
 import functools
 import json
 
-from absl import flags
+from absl import app, flags
+from ml_collections import config_flags
 
 from experiments.config_util import define_config_flag, run_app
 from training import shapes, shapes_vqa
 
 _CONFIG = define_config_flag()
-_STEPS = flags.DEFINE_integer("steps", 600, "Optimizer steps.")
-_BATCH = flags.DEFINE_integer("batch", 32, "Examples per step.")
-_LR = flags.DEFINE_float("learning_rate", 3e-3, "Peak learning rate (overrides config.train).")
-_WARMUP = flags.DEFINE_integer("warmup_steps", 30, "Warm-up steps (overrides config.train).")
-_SEQ_LEN = flags.DEFINE_integer("seq_len", 0, "Row length; 0: the longest example rounded up to 16.")
-_EVAL = flags.DEFINE_integer("eval_examples", 400, "Held-out examples (split evenly over question types).")
+_STEPS = flags.DEFINE_integer("steps", 600, "Optimizer steps (sets config.train.steps).")
+_BATCH = flags.DEFINE_integer("batch", 32, "Examples per step (sets config.train.global_batch).")
+_LR = flags.DEFINE_float("learning_rate", 3e-3, "Peak learning rate (sets config.train.learning_rate).")
+_WARMUP = flags.DEFINE_integer("warmup_steps", 30, "Warm-up steps (sets config.train.warmup_steps).")
+_SEQ_LEN = flags.DEFINE_integer("seq_len", 0, "Row length (sets config.train.seq_len); 0: the longest "
+                                "example rounded up to 16.")
+_EVAL = flags.DEFINE_integer("eval_examples", 400, "Held-out examples (split evenly over question types; "
+                             "at least one per type).")
 _TYPES = flags.DEFINE_list("question_types", list(shapes.QUESTION_TYPES),
-                           f"Question types to train and evaluate on (of {shapes.QUESTION_TYPES}).")
-_LOG_EVERY = flags.DEFINE_integer("log_every", 50, "Print the training loss every N steps.")
+                           f"Question types to train and evaluate on (one or more of "
+                           f"{shapes.QUESTION_TYPES}).")
+_LOG_EVERY = flags.DEFINE_integer("log_every", 50, "Print the training loss every N >= 1 steps.")
 
 
 def main(argv):
-  del argv
+  del argv  # (run_app refuses stray positional arguments)
   config = _CONFIG.value
-  r = shapes_vqa.run(config, steps=_STEPS.value, batch=_BATCH.value, learning_rate=_LR.value,
-                     warmup_steps=_WARMUP.value, seq_len=_SEQ_LEN.value, eval_examples=_EVAL.value,
-                     question_types=_TYPES.value, log_every=_LOG_EVERY.value,
-                     log=functools.partial(print, flush=True))
+  try:
+    shapes_vqa.check_train_overrides(config_flags.get_override_values(flags.FLAGS["config"]))
+    r = shapes_vqa.run(config, steps=_STEPS.value, batch=_BATCH.value, learning_rate=_LR.value,
+                       warmup_steps=_WARMUP.value, seq_len=_SEQ_LEN.value, eval_examples=_EVAL.value,
+                       question_types=_TYPES.value, log_every=_LOG_EVERY.value,
+                       log=functools.partial(print, flush=True))
+  except shapes_vqa.RunArgsError as e:  # raised before the model is built
+    raise app.UsageError(str(e)) from e
   result = r["per_type"]
   print(f"{'question':<10}{'accuracy':>10}{'chance':>10}{'present':>10}{'n':>6}")
   for qtype, q in result.items():

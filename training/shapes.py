@@ -123,7 +123,31 @@ def encode_example(question: str, answer: str, tokenizer, num_patches: int) -> t
   return prompt, list(tokenizer.encode(" " + answer)) + [int(tokenizer.eos_id)]
 
 
-def _check_model(tokenizer, cfg_model) -> None:
+def check_question_types(question_types: Sequence[str] | None, name: str = "question_types"
+                         ) -> tuple[str, ...]:
+  """The question types to use as a tuple (None: all of QUESTION_TYPES).
+
+  Raises:
+    ValueError (naming `name`): an empty selection (not taken to mean all types), a bare
+      string, or an unknown type.
+  """
+  if question_types is None:
+    return QUESTION_TYPES
+  if isinstance(question_types, str):
+    raise ValueError(f"{name}={question_types!r}: give a list of question types, e.g. "
+                     f"[{question_types!r}].")
+  types = tuple(question_types)
+  if not types:
+    raise ValueError(f"{name} is empty: give one or more of {', '.join(QUESTION_TYPES)}.")
+  unknown = [t for t in types if t not in QUESTION_TYPES]
+  if unknown:
+    raise ValueError(f"{name}={','.join(map(str, types))}: unknown question type(s) {unknown}; "
+                     f"choose from {', '.join(QUESTION_TYPES)}.")
+  return types
+
+
+def check_model(tokenizer, cfg_model) -> None:
+  """The model config can take shapes rows: vision on, and this tokenizer's <|image|> id."""
   if not cfg_model.vision.enabled:
     raise ValueError("shapes data needs config.model.vision.enabled=True.")
   if int(tokenizer.image_id) != cfg_model.image_token_id:
@@ -155,10 +179,12 @@ def shapes_batch(rng: np.random.Generator, batch: int, tokenizer, cfg_model, seq
                  question_types: Sequence[str] | None = None) -> dict[str, np.ndarray]:
   """A training batch: LM keys [b, seq_len] (see module docstring) + images [b, 1, H, W, 3].
 
-  question_types: the types to draw from uniformly (default all).
+  question_types: the types to draw from uniformly (None: all; empty is refused).
   """
-  _check_model(tokenizer, cfg_model)
-  types = tuple(question_types or QUESTION_TYPES)
+  check_model(tokenizer, cfg_model)
+  if not isinstance(batch, (int, np.integer)) or batch < 1:
+    raise ValueError(f"batch={batch!r}: must be a positive int (examples per batch).")
+  types = check_question_types(question_types)
   v = cfg_model.vision
   prompts, answers, images = [], [], []
   for _ in range(batch):
@@ -184,9 +210,11 @@ def nearest_colour(rgb: Sequence[float]) -> str:
 
 def heldout_examples(n: int, image_size: int, seed: int = 0, question_types: Sequence[str] | None = None
                      ) -> list[tuple[np.ndarray, str, str, dict]]:
-  """n held-out examples, question types in turn (equal counts per type)."""
+  """n held-out examples, question types in turn (equal counts per type; None: all types)."""
+  if not isinstance(n, (int, np.integer)) or n < 1:
+    raise ValueError(f"n={n!r}: must be a positive int (held-out examples).")
+  types = check_question_types(question_types)
   rng = split_rng("heldout", seed)
-  types = tuple(question_types or QUESTION_TYPES)
   return [make_example(rng, image_size, types[i % len(types)]) for i in range(n)]
 
 
@@ -218,7 +246,7 @@ def greedy_generate(model, prompts: list[list[int]], images: np.ndarray, max_new
 def answer_questions(model, tokenizer, cfg_model, images: np.ndarray, questions: Sequence[str],
                      max_new: int = 16, batch: int = 64) -> list[str]:
   """The model's greedy answers (text before eos, leading space dropped); images [n, H, W, 3]."""
-  _check_model(tokenizer, cfg_model)
+  check_model(tokenizer, cfg_model)
   answers = []
   for start in range(0, len(questions), batch):
     qs = list(questions[start:start + batch])
