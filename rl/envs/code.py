@@ -2,13 +2,19 @@
 
 The task's `files` (the repository) are written at reset; the agent works with `shell`,
 `read_file` and `write_file`. At grading the `hidden_files` (the real tests) are written over
-whatever the agent left at those paths, then `test_command` runs with `bash -c` in the
-repository root, sandboxed, with the task's `timeout`. Reward 1 iff it exits 0 in time and, when
-the task has a `pass_marker`, printed it (the hidden tests do as their last act, so a solution
-that exits the process early with code 0 does not pass).
+whatever the agent left at those paths, every compiled `.pyc` the agent may have planted is
+removed (Python would run an unchecked-hash one in place of a restored test module), then
+`test_command` runs with `bash -c` in the repository root, sandboxed, with the task's
+`timeout`. Reward 1 iff it exits 0 in time and, when the task has a `pass_marker`, printed it.
+The generated tasks' hidden tests run their checks in a process that never imports the agent's
+code (rl/tasks/generators/code_checker.py).
 """
 
 from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
 
 from rl.envs.base import Grade, ToolError, register
 from rl.envs.workspace import WorkspaceEnvironment
@@ -26,6 +32,7 @@ class CodeEnv(WorkspaceEnvironment):
       write_tree(self.dir, self.task["hidden_files"])
     except (ToolError, OSError) as e:  # e.g. the agent turned a hidden file's directory into a link out
       return Grade(reward=0.0, success=False, details={"error": f"cannot place hidden files: {e}"})
+    _remove_bytecode(self.dir)
     result = self.sandbox.run(self.task["test_command"], self.dir, timeout_s=self.task["timeout"])
     marker = self.task.fields.get("pass_marker")
     finished = marker is None or marker in result.stdout
@@ -36,3 +43,25 @@ class CodeEnv(WorkspaceEnvironment):
       cap = ", or their output passed the cap" if result.truncated else ""
       details["error"] = f"the tests did not print the pass marker: they stopped early (an exit){cap}"
     return Grade(reward=float(ok), success=ok, details=details)
+
+
+def _remove_bytecode(root: Path) -> None:
+  """Removes every __pycache__ directory and .pyc file under root (iteratively: a deep tree must
+  not exhaust the recursion limit); links are not followed."""
+  stack = [str(root)]
+  while stack:
+    try:
+      entries = list(os.scandir(stack.pop()))
+    except OSError:
+      continue
+    for entry in entries:
+      try:
+        if entry.is_dir(follow_symlinks=False):
+          if entry.name == "__pycache__":
+            shutil.rmtree(entry.path, ignore_errors=True)
+          else:
+            stack.append(entry.path)
+        elif entry.name.endswith(".pyc"):
+          os.unlink(entry.path)
+      except (OSError, RecursionError):  # rmtree recurses
+        pass

@@ -113,20 +113,29 @@ def _write_then_done(path: str, content: str) -> list[dict]:
           {"thinking": "", "content": "done", "tool_calls": []}]
 
 
-@pytest.mark.parametrize("level,path,content,exit_code", [
-    (2, "solution.py", "import os\nos._exit(0)\n", 0),  # the process ends before any test runs
-    (2, "solution.py", "import sys\nsys.exit(0)\n", 0),  # SystemExit from the test's import
-    (3, "unittest.py", "import sys\nsys.exit(0)\n", 0),  # shadows the standard library's unittest
-    (3, "tests/__init__.py", "import os\nos._exit(0)\n", 1),  # restored at grading: the tests run, fail
+@pytest.mark.parametrize("level,path,content", [
+    (2, "solution.py", "import os\nos._exit(0)\n"),  # the process ends before any test runs
+    (2, "solution.py", "import sys\nsys.exit(0)\n"),  # SystemExit from the test's import
+    (3, "unittest.py", "import sys\nsys.exit(0)\n"),  # shadows the standard library's unittest
+    (3, "tests/__init__.py", "import os\nos._exit(0)\n"),  # restored at grading: the tests run, fail
 ])
-def test_exiting_early_with_code_0_does_not_pass(level, path, content, exit_code, ctx):
-  """Each of these scored 1 when the grade read the exit code alone."""
+def test_exiting_early_with_code_0_does_not_pass(level, path, content, ctx):
+  """Each of these scored 1 when the grade read the exit code alone; the checks now run in a
+  process the agent's code does not run in, so ending that code early fails them."""
   task = generate("code", split="train", difficulty=level, n=1, seed=0)[0]
   assert task["pass_marker"] and not any(task["pass_marker"] in t for t in task["files"].values())
   grade = replay(task, ctx, _write_then_done(path, content))
-  assert grade.reward == 0.0 and grade.details["exit_code"] == exit_code, grade.details
-  assert ("pass marker" in grade.details.get("error", "")) == (exit_code == 0)
+  assert grade.reward == 0.0 and grade.details["exit_code"] == 1, grade.details
   assert replay(task, ctx, [dict(t) for t in task.oracle]).reward == 1.0  # the real fix still passes
+
+
+def test_a_test_command_that_exits_0_without_the_marker_fails(ctx):
+  """A task file's own hidden test that stops early with code 0 (its marker unprinted) scores 0."""
+  task = parse_task({"id": "own", "domain": "code", "prompt": "p", "files": {"a.py": "x = 1\n"},
+                     "test_command": "python3 t.py", "pass_marker": "OWN-MARKER-1",
+                     "hidden_files": {"t.py": "import sys\nsys.exit(0)\nprint('OWN-MARKER-1')\n"}})
+  grade = replay(task, ctx, [{"thinking": "", "content": "done", "tool_calls": []}])
+  assert grade.reward == 0.0 and "did not print the pass marker" in grade.details["error"], grade.details
 
 
 @pytest.mark.parametrize("cls", [
@@ -136,7 +145,7 @@ def test_exiting_early_with_code_0_does_not_pass(level, path, content, exit_code
 ])
 def test_an_always_equal_result_does_not_pass(cls, ctx):
   """HumanEval's `check` compares with ==: a function returning an object whose __eq__ is always
-  true passed every assert (and printed the marker). The hidden test wants plain values."""
+  true passed every assert (and printed the marker). The checks see plain data only."""
   from rl.tasks.generators import code
   task = generate("code", split="train", difficulty=2, n=1, seed=0)[0]
   entry = code._problems()[task.meta["source"]]["entry_point"]
@@ -146,13 +155,82 @@ def test_an_always_equal_result_does_not_pass(cls, ctx):
   assert replay(task, ctx, [dict(t) for t in task.oracle]).reward == 1.0
   # Level 3 (unittest's assertEqual compares with == too): every function of the package hacked.
   task = generate("code", split="train", difficulty=3, n=1, seed=0)[0]
-  writes = [{"name": "write_file", "arguments": {"path": path, "content": cls + "".join(
-              f"\n\ndef {name}(*args, **kwargs):\n    return Anything()\n"
-              for name in re.findall(r"^def (\w+)", text, re.M))}}
-            for path, text in task["files"].items() if not path.startswith("tests/") and "def " in text]
+  writes = _package_sources(task, lambda names: cls + "".join(
+      f"\n\ndef {name}(*args, **kwargs):\n    return Anything()\n" for name in names))
   grade = replay(task, ctx, [{"thinking": "", "content": "", "tool_calls": writes},
                              {"thinking": "", "content": "done", "tool_calls": []}])
   assert grade.reward == 0.0 and grade.details["exit_code"] == 1, grade.details
+
+
+_MARKER_RE = "HORIZON-TESTS-PASSED-[0-9a-f]{16}"
+# Reads the marker from the hidden test, writes it where the grader reads (the sandbox's stdout:
+# its own, then its parent's), and ends with code 0 before any check runs.
+_PRINT_MARKER = """import glob, os, re
+for _p in glob.glob("*.py") + glob.glob("tests/*.py"):
+    _m = re.search(r"%s", open(_p).read())
+    if _m:
+        for _fd in ("/proc/self/fd/1", "/proc/%%d/fd/1" %% os.getppid()):
+            try:
+                open(_fd, "w").write(_m.group(0) + "\\n")
+            except OSError:
+                pass
+os._exit(0)
+""" % _MARKER_RE
+_PLANT_PYC = """import glob, importlib.util, py_compile
+test = glob.glob("tests/test_*.py")[0]
+open("/tmp/fake.py", "w").write(%r)
+py_compile.compile("/tmp/fake.py", cfile=importlib.util.cache_from_source(test),
+                   invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
+""" % _PRINT_MARKER
+_STAR_GUARD = """class A:
+    def __eq__(self, other):
+        return True
+
+
+def _plain_results(f):
+    return f
+
+
+def __getattr__(name):
+    return lambda *args, **kwargs: A()
+
+
+__all__ = ["_plain_results", "%s"]
+"""
+
+
+def _package_sources(task, body):
+  """write_file calls replacing every package module by `body` (a string, or a function of the
+  module's function names)."""
+  return [{"name": "write_file", "arguments": {
+            "path": path, "content": body(re.findall(r"^def (\w+)", text, re.M)) if callable(body) else body}}
+          for path, text in task["files"].items() if not path.startswith("tests/") and "def " in text]
+
+
+def _hacks():
+  """(level, tool calls): each scored 1 without fixing anything, as an audit found."""
+  patch = "import unittest\nunittest.TestCase.assertEqual = lambda self, a, b, msg=None: None\n"
+  return [
+    (2, [{"name": "write_file", "arguments": {"path": "solution.py", "content": _PRINT_MARKER}}]),
+    (2, lambda task: [{"name": "write_file", "arguments": {"path": "solution.py", "content": _STAR_GUARD % (
+        gen._problems()[task.meta["source"]]["entry_point"])}}]),
+    (3, lambda task: _package_sources(task, patch + _PRINT_MARKER)),
+    (3, [{"name": "write_file", "arguments": {"path": "plant.py", "content": _PLANT_PYC}},
+         {"name": "shell", "arguments": {"command": "python3 plant.py && ls tests/__pycache__"}}]),
+  ]
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_code_that_skips_the_checks_scores_0(case, ctx):
+  """Each scored 1 while the checks ran in the agent's process: the marker read from the hidden
+  test and printed before an exit, `__all__` exporting its own guard over the star import, a
+  patched unittest, an unchecked-hash .pyc planted for the test module."""
+  level, calls = _hacks()[case]
+  task = generate("code", split="train", difficulty=level, n=1, seed=0)[0]
+  calls = calls(task) if callable(calls) else calls
+  grade = replay(task, ctx, [{"thinking": "", "content": "", "tool_calls": calls},
+                             {"thinking": "", "content": "done", "tool_calls": []}])
+  assert grade.reward == 0.0 and grade.details["exit_code"] != 0, grade.details
 
 
 def test_pass_marker_must_be_hidden_and_printed():

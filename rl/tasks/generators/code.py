@@ -10,10 +10,11 @@ instance belongs to one split (`common.split_of`). Levels:
   2  only "the tests fail": find the bug
   3  a three-module package, two bugs in two modules, unittest tests
 
-The task's `files` are the buggy repository and a visible test; `hidden_files` restore the
-tests at grading (an agent cannot pass by editing them) and print the task's `pass_marker` when
-every test passed, which the grader requires besides exit code 0; `test_command` runs plain
-python3 (Debian's python3 has no pytest).
+The task's `files` are the buggy repository and a visible test; `hidden_files` replace the
+test at grading (an agent cannot pass by editing it) with one that runs the same checks in a
+process that never imports the agent's code (code_checker.py) and prints the task's
+`pass_marker` when every check passed; `test_command` runs plain python3 (Debian's python3 has
+no pytest).
 
 Mutants are (offset, old, new) edits of a canonical solution: a flipped operator (`<`/`<=`,
 `+`/`-`, `==`/`!=`, `and`/`or`, ...), an off-by-one integer, a swapped boolean, `min`/`max`,
@@ -41,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from rl.tasks.generators import common
+from rl.tasks.generators.code_checker import humaneval_test, package_test
 from rl.tasks.schema import Task, parse_task
 
 DOMAIN = "code"
@@ -208,48 +210,11 @@ def _split_problems(split: str) -> list[str]:
                 if v and common.split_of((DOMAIN, "humaneval", k)) == split)
 
 
-# The hidden copy's guard: HumanEval's `check` compares with ==, so a function returning an object
-# whose __eq__ is always true passed every assert. Every HumanEval function returns plain values
-# (numbers, strings, None and containers of them), so anything else fails; the names are bound
-# before solution.py is imported, which therefore cannot swap them.
-_PLAIN_GUARD = """_plain_types = (int, float, complex, str, bytes, bool, type(None))
-_containers = (list, tuple, set, frozenset)
-_type, _all, _isinstance = type, all, isinstance
-
-
-def _plain(x, depth=0):
-    if depth > 50:
-        return False
-    if _type(x) in _plain_types:
-        return True
-    if _type(x) in _containers:
-        return _all(_plain(v, depth + 1) for v in x)
-    if _type(x) is dict:
-        return _all(_plain(k, depth + 1) and _plain(v, depth + 1) for k, v in x.items())
-    return False
-
-
-def _plain_results(f):
-    def checked(*args, **kwargs):
-        out = f(*args, **kwargs)
-        if not _plain(out):
-            raise AssertionError(f"{f.__name__} returned a {_type(out).__name__}, not plain values")
-        return out
-    return checked
-
-
-"""
-
-
-def _visible_test(problem: dict[str, Any], marker: str | None = None) -> str:
-  """The problem's `check` as a script; the hidden copy (`marker` given) checks that the function
-  returns plain values (`_PLAIN_GUARD`) and prints the marker at the end."""
-  entry = problem["entry_point"]
-  checked = f"_plain_results({entry})" if marker else entry
-  return ((_PLAIN_GUARD if marker else "")
-          + f"from solution import *  # noqa: F403\n\n{problem['test'].strip()}\n\n\n"
-          f"if __name__ == \"__main__\":\n    check({checked})\n"
-          "    print(\"all tests passed\")\n" + (f"    print({marker!r})\n" if marker else ""))
+def _visible_test(problem: dict[str, Any]) -> str:
+  """The problem's `check` as a script over solution.py (the hidden copy: code_checker)."""
+  return (f"from solution import *  # noqa: F403\n\n{problem['test'].strip()}\n\n\n"
+          f"if __name__ == \"__main__\":\n    check({problem['entry_point']})\n"
+          "    print(\"all tests passed\")\n")
 
 
 def pass_marker(files: dict[str, str]) -> str:
@@ -293,7 +258,7 @@ def _humaneval_task(rng: random.Random, split: str, difficulty: int) -> dict[str
             common.turn(content=f"Fixed line {line} of solution.py: `{mutant[2]}` -> `{mutant[1]}`.")]
   files = {"solution.py": buggy, _TEST_FILE: _visible_test(problem)}
   marker = pass_marker(files)
-  return {"prompt": prompt, "files": files, "hidden_files": {_TEST_FILE: _visible_test(problem, marker)},
+  return {"prompt": prompt, "files": files, "hidden_files": {_TEST_FILE: humaneval_test(problem, marker)},
           "pass_marker": marker, "test_command": run, "timeout": 60, "oracle": oracle,
           "meta": {"source": pid, "mutant": list(mutant), "wrong_fix": {"solution.py": wrong}}}
 
@@ -380,7 +345,7 @@ def _package_task(rng: random.Random, split: str) -> dict[str, Any]:
     if common.split_of((DOMAIN, "package", key)) == split:
       break
   fmt = {"k": k, "k1": k + 1, "b": b}
-  good, bad, tests, fixes = {}, {}, [], []
+  good, bad, tests, fixes, cases = {}, {}, [], [], []
   for i, (mod, fn) in enumerate(zip(mods, fns, strict=True)):
     source = fn[1].format(**fmt)
     old, new = (s.format(**fmt) for s in fn[2][bug_choice[i]])
@@ -391,22 +356,16 @@ def _package_task(rng: random.Random, split: str) -> dict[str, Any]:
     if buggy:
       fixes.append((path, old, new))
     for args, want in _cases(rng, fn, source, buggy, 3):
-      tests.append((f"    def test_{fn[0]}_{len(tests)}(self):\n        self.assertEqual(",
-                    f"{mod}.{fn[0]}", f"({', '.join(map(repr, args))}), {want})\n"))
+      tests.append(f"    def test_{fn[0]}_{len(tests)}(self):\n"
+                   f"        self.assertEqual({mod}.{fn[0]}({', '.join(map(repr, args))}), {want})\n")
+      cases.append((f"{pkg}.{mod}", fn[0], args, want))
   imports = "".join(f"from {pkg} import {m}\n" for m in sorted(mods))
-
-  def test(guarded: bool) -> str:  # the hidden copy checks for plain results (_PLAIN_GUARD)
-    cases = [head + (f"_plain_results({call})" if guarded else call) + tail for head, call, tail in tests]
-    return ((_PLAIN_GUARD if guarded else "") + f"import unittest\n\n{imports}\n\n"
-            f"class Test{pkg.title()}(unittest.TestCase):\n" + "\n".join(cases))
-
+  test = f"import unittest\n\n{imports}\n\nclass Test{pkg.title()}(unittest.TestCase):\n" + "\n".join(tests)
   test_path, run = f"tests/test_{pkg}.py", f"python3 -m tests.test_{pkg}"
-  visible = test(False) + "\n\nif __name__ == \"__main__\":\n    unittest.main()\n"
+  visible = test + "\n\nif __name__ == \"__main__\":\n    unittest.main()\n"
   files = {f"{pkg}/__init__.py": "", "tests/__init__.py": "", test_path: visible} | bad
   marker = pass_marker(files)
-  hidden = (test(True) + "\n\nif __name__ == \"__main__\":\n    result = unittest.main(exit=False).result\n"
-            f"    if result.wasSuccessful():\n        print({marker!r})\n"
-            "    raise SystemExit(0 if result.wasSuccessful() else 1)\n")
+  hidden = package_test(cases, marker)
   oracle = [common.turn("First I run the tests to see what fails.", calls=[("shell", {"command": run})]),
             common.turn("Two modules are involved; I read both.",
                         calls=[("read_file", {"path": p}) for p, _, _ in fixes]),
