@@ -70,6 +70,18 @@ def group_ids(episodes: Sequence[Episode]) -> np.ndarray:
   return np.array([seen.setdefault((ep.task_id, ep.tier), len(seen)) for ep in episodes])
 
 
+def drop_invalid(episodes: Sequence[Episode], sources: Sequence[str]) -> tuple[list, list, int]:
+  """(episodes, sources, groups dropped) without the groups holding an episode the policy failed
+  to play (end 'error': an engine failure) or the grader failed on: neither is a sample of the
+  policy's behaviour, and a group missing one would skew its advantages."""
+  groups = group_ids(episodes)
+  bad = {g for g, ep in zip(groups, episodes, strict=True)
+         if ep.end == "error" or ep.grade.get("grader_failed")}
+  keep = [g not in bad for g in groups]
+  return ([e for e, k in zip(episodes, keep, strict=True) if k],
+          [s for s, k in zip(sources, keep, strict=True) if k], len(bad))
+
+
 def to_batch(episodes: Sequence[Episode], advantages: np.ndarray, obj: obj_lib.Objective, *,
              pad_multiple: int = 128, pad_id: int = 0) -> dict[str, np.ndarray]:
   """The batch arrays (module docstring) plus advantages [B] and weights [B, T]."""

@@ -215,14 +215,13 @@ class RLRun:
     """Episodes of this step (after dynamic sampling), their sources, and rollout stats."""
     kept: list[Episode] = []
     sources: list[str] = []
-    stats = {"groups": 0, "groups_dropped": 0, "rounds": 0, "episodes_played": 0}
+    stats = {"groups": 0, "groups_dropped": 0, "groups_invalid": 0, "rounds": 0, "episodes_played": 0}
     busy0 = self.executor.busy_s
-    played_success: list[float] = []
-    played_domains: list[str] = []
-    played_sources: list[str] = []
+    played_success, played_domains, played_sources = [], [], []  # float, domain and source lists
     for round_ in range(1 + int(self.rl.max_refills) if self.obj.dynamic_sampling else 1):
       jobs, srcs = self._jobs(step, round_)
-      eps = self._play(jobs)
+      eps, srcs, invalid = batch_lib.drop_invalid(self._play(jobs), srcs)
+      stats["groups_invalid"] += invalid
       stats["rounds"] += 1
       stats["episodes_played"] += len(eps)
       played_success += [float(e.success) for e in eps]

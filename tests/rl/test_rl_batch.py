@@ -96,6 +96,17 @@ def test_reward_shaping_and_groups():
   np.testing.assert_array_equal(batch_lib.group_ids(eps), [0, 1, 2, 0])
 
 
+def test_groups_with_an_unplayed_or_ungraded_episode_are_not_trained_on():
+  """An engine failure (end 'error') or a grader failure scored 0 and entered the batch as if the
+  policy had failed; its whole group goes (a partial group would skew the advantages)."""
+  eps = [_episode(t, "low", [1], [0], [0], []) for t in ("a", "a", "b", "b", "c", "c")]
+  eps[1].end = "error"
+  eps[2].grade = {"grader_failed": True}
+  kept, sources, dropped = batch_lib.drop_invalid(eps, ["s0", "s1", "s2", "s3", "s4", "s5"])
+  assert [e.task_id for e in kept] == ["c", "c"] and sources == ["s4", "s5"] and dropped == 2
+  assert batch_lib.drop_invalid(eps[4:], ["x", "y"]) == (eps[4:], ["x", "y"], 0)
+
+
 def test_mixture_parsing_errors_name_the_fix():
   assert parse_mixture("math=1, terminal=2") == {"math": 1.0, "terminal": 2.0}
   with pytest.raises(ValueError, match="unknown source 'chess'"):
