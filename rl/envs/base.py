@@ -17,7 +17,6 @@ import importlib
 import json
 import logging
 import os
-import shutil
 import tempfile
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -91,9 +90,9 @@ class EnvContext:
     command_timeout_s: wall-time limit of one shell/python tool call.
     memory_mb, max_pids: cgroup limits of one sandboxed command.
     output_limit_bytes: stdout+stderr kept from one command (the rest is cut and said so).
-    disk_mb: size cap of one episode's task directory: a tmpfs of this size where this process
-      may mount one (root on Linux; rl/sandbox/taskdir.py), else an ordinary directory (logged
-      once).
+    disk_mb: size cap of one episode's task directory: a tmpfs of this size, and of
+      `taskdir.inode_cap(disk_mb)` files, where this process may mount one (root on Linux;
+      rl/sandbox/taskdir.py), else an ordinary directory (logged once).
   """
 
   root: Path | None = None
@@ -143,14 +142,15 @@ class EnvContext:
     return path
 
   def remove_dir(self, path: Path) -> None:
-    """Removes an episode's directory (unmounting its tmpfs first)."""
+    """Removes an episode's directory (unmounting its tmpfs first); never raises: what it
+    cannot remove is logged (an episode's close must not end the run)."""
     if path in self._mounts:
       self._mounts.discard(path)
       try:
         taskdir.unmount(path)
-      except OSError as e:  # an episode's close must not fail; the files still go below
+      except OSError as e:  # the files still go below
         _log.warning("%s; removing its files instead", e)
-    shutil.rmtree(path, ignore_errors=True)
+    taskdir.remove_quietly(path)  # iterative: a tree of any depth the agent built
 
 
 _UNCAPPED_LOGGED: list[str] = []  # why task directories are not capped, once logged
@@ -163,7 +163,7 @@ def _release(mounts: set[Path], root: str | None) -> None:
     except OSError:
       pass
   if root is not None:
-    shutil.rmtree(root, ignore_errors=True)
+    taskdir.remove_quietly(root)
 
 
 class Environment(abc.ABC):

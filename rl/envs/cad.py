@@ -23,7 +23,8 @@ SUCCESS_IOU = 0.9
 MEASURE = Tool(
   name="measure",
   description=("Measures a candidate solid: its volume, axis-aligned bounding box (min, max, size) and "
-               "number of connected pieces. " + solids.GRAMMAR),
+               "number of connected pieces. " + solids.GRAMMAR
+               + f" A solid holds at most {solids.MAX_PRIMITIVES} primitives."),
   parameters={
     "type": "object",
     "properties": {"solid": {"type": ["object", "string"],

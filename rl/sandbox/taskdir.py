@@ -11,23 +11,44 @@ A process killed with SIGKILL (an OOM kill, a preemption) unmounts nothing, and 
 its files in memory until reboot. Directory names therefore carry their process id
 (`episode_prefix`, `ROOT_PREFIX`), and the next `rl.envs.base.EnvContext` sweeps the mounts and
 roots of processes that no longer exist (`sweep_stale`).
+
+The tmpfs caps inodes as well as bytes (`inode_cap`): an empty file costs no data but about
+1 KiB of the host's kernel memory (inode and dentry), and a tmpfs's default of half the host's
+RAM pages in inodes (~3M on the host audited) let 1.1M empty files grow the host's slab by more than 1 GB.
+
+`remove_tree` removes a directory of any depth: shutil.rmtree and os.walk recurse in Python
+3.11, and one shell command (`for i in $(seq 1100); do mkdir d; cd d; done`) builds a tree
+deep enough to raise RecursionError in them, even under rmtree's ignore_errors=True.
 """
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import ctypes.util
 import errno
+import itertools
+import logging
 import os
 import re
-import shutil
+import stat
 import sys
 from pathlib import Path
+
+_log = logging.getLogger(__name__)
 
 _MS_NOSUID, _MS_NODEV = 2, 4
 _MNT_DETACH = 2
 ROOT_PREFIX = "horizon_envs_"  # + "<pid>_": a context's own root under the temp directory
 _OWNED = re.compile(r"^(?:hzn|horizon_envs_)(\d+)[-_]")  # episode directories and own roots
+# Inodes (files, directories, links) of a task tmpfs: 64 per MiB of its size, i.e. one per 16 KiB
+# of data when the disk is full, and never fewer than 4096. At the default 256 MiB that is 16384
+# inodes, at most ~16 MiB of kernel memory (1/16 of the data cap); generated tasks write a few
+# dozen files, and a Python project of a few hundred files, a git repository or a build tree
+# fit many times over.
+INODES_PER_MB = 64
+MIN_INODES = 4096
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def episode_prefix(name: str) -> str:
@@ -39,8 +60,14 @@ def _libc():
   return ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 
 
+def inode_cap(size_mb: int) -> int:
+  """How many inodes a task tmpfs of size_mb MiB holds (see INODES_PER_MB)."""
+  return max(MIN_INODES, INODES_PER_MB * int(size_mb))
+
+
 def mount_tmpfs(path: Path, size_mb: int) -> str | None:
-  """Mounts a tmpfs of size_mb MiB (mode 0700) on the empty directory `path`.
+  """Mounts a tmpfs of size_mb MiB and inode_cap(size_mb) inodes (mode 0700) on the empty
+  directory `path`.
 
   Returns None when mounted, else why not (not Linux, not root, or the mount call's error).
   """
@@ -48,7 +75,7 @@ def mount_tmpfs(path: Path, size_mb: int) -> str | None:
     return f"{sys.platform} has no tmpfs mounts here"
   if os.geteuid() != 0:
     return "mounting a tmpfs needs root"
-  options = f"size={int(size_mb)}m,mode=0700".encode()
+  options = f"size={int(size_mb)}m,nr_inodes={inode_cap(size_mb)},mode=0700".encode()
   if _libc().mount(b"tmpfs", os.fsencode(path), b"tmpfs", _MS_NOSUID | _MS_NODEV, options) != 0:
     err = ctypes.get_errno()
     return f"mount(tmpfs) failed: {errno.errorcode.get(err, err)} ({os.strerror(err)})"
@@ -101,14 +128,108 @@ def sweep_stale(root: Path, temp_dir: Path | None = None) -> list[Path]:
         unmount(mount)
       except OSError:
         continue  # not ours to unmount (no root): leave its files
-      shutil.rmtree(mount, ignore_errors=True)
+      remove_quietly(mount)
       removed.append(mount)
   for r in roots[1:]:
-    shutil.rmtree(r, ignore_errors=True)
+    remove_quietly(r)
     removed.append(r)
   if root.is_dir():
     for child in root.iterdir():  # unmounted leftovers (no tmpfs here) of dead processes
       if child.is_dir() and _stale(child) and child not in removed:
-        shutil.rmtree(child, ignore_errors=True)
+        remove_quietly(child)
         removed.append(child)
   return removed
+
+
+def remove_tree(path: Path | str) -> None:
+  """Removes `path` and everything under it, however deep; never follows a symlink.
+
+  Iterative and by directory fds: each subdirectory met is moved up into `path` itself (a
+  rename within one file system) and emptied there in turn, the emptied ones removed at the
+  end; so at most two directories are open at a time, no path grows past two names (a chain
+  deeper than PATH_MAX is fine) and the work is linear in the entries. Nothing of the agent
+  may run meanwhile (as for every host-side use of a task directory). A missing `path` is no
+  error; otherwise it removes what it can, then raises the first OSError met.
+  """
+  try:
+    if not stat.S_ISDIR(os.lstat(path).st_mode):
+      os.unlink(path)
+      return
+  except FileNotFoundError:
+    return
+  errors: list[OSError] = []
+  _unlock(path, None)
+  top = os.open(path, _DIR_FLAGS)
+  try:
+    pending = collections.deque(_clear_files(top, errors))
+    own = set(pending)  # names in `path` that a moved directory must not take
+    fresh = (f".rm{i}" for i in itertools.count() if f".rm{i}" not in own)
+    emptied = []  # removed at the end: on ext4 an rmdir right after a rename out of it costs ~2 ms
+    while pending:
+      name = pending.popleft()
+      _unlock(name, top)
+      try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=top)
+      except OSError as e:
+        errors.append(e)
+        continue
+      try:
+        for sub in _clear_files(fd, errors):
+          _unlock(sub, fd)  # moving a directory rewrites its '..': it must be writable
+          new = next(fresh)
+          if _attempt(errors, os.rename, sub, new, src_dir_fd=fd, dst_dir_fd=top):
+            pending.append(new)
+      finally:
+        os.close(fd)
+      emptied.append(name)
+    for name in emptied:
+      _attempt(errors, os.rmdir, name, dir_fd=top)
+  finally:
+    os.close(top)
+  _attempt(errors, os.rmdir, path)
+  if errors:
+    raise errors[0]
+
+
+def remove_quietly(path: Path | str) -> bool:
+  """remove_tree that logs a failure instead of raising it; True when `path` is gone."""
+  try:
+    remove_tree(path)
+    return True
+  except Exception as e:  # a close or a sweep must never fail on what it leaves behind
+    _log.warning("cannot remove %s: %s: %s", path, type(e).__name__, e)
+    return False
+
+
+def _clear_files(fd: int, errors: list[OSError]) -> list[str]:
+  """Unlinks every entry of the directory `fd` but its subdirectories; returns their names."""
+  subdirs = []
+  try:
+    with os.scandir(fd) as entries:
+      for entry in entries:
+        if entry.is_dir(follow_symlinks=False):
+          subdirs.append(entry.name)
+        else:
+          _attempt(errors, os.unlink, entry.name, dir_fd=fd)
+  except OSError as e:
+    errors.append(e)
+  return subdirs
+
+
+def _attempt(errors: list[OSError], fn, *args, **kwargs) -> bool:
+  """fn(*args, **kwargs); an OSError is recorded in `errors` (False) instead of raised."""
+  try:
+    fn(*args, **kwargs)
+    return True
+  except OSError as e:
+    errors.append(e)
+    return False
+
+
+def _unlock(name: Path | str, dir_fd: int | None) -> None:
+  """Without root, a directory the agent made unreadable (chmod 0) is made ours to empty."""
+  if os.geteuid() != 0:
+    try:
+      os.chmod(name, stat.S_IRWXU, dir_fd=dir_fd)
+    except OSError:
+      pass

@@ -6,6 +6,10 @@ must not climb out with '..', and every existing component is resolved through s
 must stay inside the task directory (a symlink the agent made to /etc is refused, not
 followed). Between tool calls nothing of the agent runs (the sandbox's PID namespace dies with
 each command), so a path checked here cannot change before it is used.
+
+Every file and directory written here is given to the sandbox uid as it is written (when we
+are root, `rl.sandbox.sandbox.give_to_sandbox`), so a later command may change it; the
+sandbox itself then never walks the task directory.
 """
 
 from __future__ import annotations
@@ -13,13 +17,13 @@ from __future__ import annotations
 import errno
 import os
 import posixpath
-import shutil
 import stat
 from collections.abc import Mapping
 from pathlib import Path
 
 from rl.envs.base import ToolError
-from rl.sandbox import ExecResult, Sandbox
+from rl.sandbox import ExecResult, Sandbox, taskdir
+from rl.sandbox.sandbox import give_to_sandbox
 from serving.types import Tool
 
 MAX_READ_BYTES = 1 << 20  # read_file reads at most this much (the result is clipped later anyway)
@@ -124,7 +128,7 @@ def write_tree(root: Path, files: Mapping[str, str]) -> None:
   for path, content in files.items():
     target = resolve(root, path)
     if target.is_dir() and not target.is_symlink():
-      shutil.rmtree(target)
+      taskdir.remove_tree(target)  # however deep the agent made it
     _write_bytes(root, target, content.encode("utf-8"), replace_parents=True)
 
 
@@ -140,7 +144,9 @@ def _make_parents(root: Path, target: Path, replace: bool) -> None:
         raise ToolError(f"{str(current.relative_to(root))!r} is a file, not a directory; write somewhere "
                         "else or remove it first with shell")
       current.unlink()
-  target.parent.mkdir(parents=True, exist_ok=True)
+    if not os.path.lexists(current):
+      os.mkdir(current)
+      give_to_sandbox(current)
 
 
 def _write_bytes(root: Path, target: Path, data: bytes, replace_parents: bool = False) -> None:
@@ -149,6 +155,7 @@ def _write_bytes(root: Path, target: Path, data: bytes, replace_parents: bool = 
     target.unlink()  # a link is replaced itself, never its target; a FIFO would block the open
   fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
   with os.fdopen(fd, "wb") as f:
+    give_to_sandbox(fd)
     f.write(data)
 
 
@@ -177,6 +184,9 @@ class FileTools:
   def call(self, name: str, arguments: Mapping[str, str]) -> str:
     """Runs one validated call; raises ToolError for a bad one."""
     if name == "shell":
+      if "\x00" in arguments["command"]:  # subprocess would raise ValueError (embedded null byte)
+        raise ToolError("the command contains a NUL byte, which no shell command line can hold; remove it "
+                        "(printf '\\0' writes one into a file)")
       result = self.sandbox.run(arguments["command"], self.root)
       text = format_exec(result, self.sandbox.output_limit_bytes)
       if result.timed_out:  # an error result: the model must see that nothing finished

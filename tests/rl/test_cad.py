@@ -2,6 +2,7 @@
 
 import json
 import math
+import random
 
 import manifold3d
 import pytest
@@ -116,6 +117,36 @@ def test_bad_solids_name_the_path():
   assert solids.measure({"box": [1e4, 1e4, 1e-3], "at": [-1e4, 0, 0]}).volume == pytest.approx(1e5)
   assert solids.parse_solid('```json\n{"sphere": 1}\n```') == {"sphere": 1}
   assert solids.parse_solid(' {"box": [1, 2, 3]} ') == {"box": [1, 2, 3]}
+
+
+def test_solids_past_the_primitive_cap_are_refused_before_building(ctx):
+  """measure of a union of 100 spheres held the GIL for 2.3 s (a difference of 64 for 15 s)."""
+  many = {"union": [{"sphere": 9, "at": [i * 1e-3, 0, 0]} for i in range(100)]}
+  with pytest.raises(solids.SolidError, match=f"100 primitives.*limit is {solids.MAX_PRIMITIVES}"):
+    solids.parse_solid(many)
+  env = make_env(_task(CUBE), ctx)
+  refused = _measure(env, {"solid": many})
+  assert refused.error and "100 primitives" in refused.content, refused.content
+  nested = {"difference": [CUBE, {"union": [{"box": [1, 1, 1], "at": [i, 0, 0]} for i in range(20)]}]}
+  assert _measure(env, {"solid": nested}).error  # counted through nesting: 21
+  grade = env.grade(f"<answer>{json.dumps(many)}</answer>")
+  assert grade.reward == 0.0 and "100 primitives" in grade.details["error"]
+  at_cap = {"union": [{"box": [1, 1, 1], "at": [2 * i, 0, 0]} for i in range(solids.MAX_PRIMITIVES)]}
+  assert solids.primitive_count(at_cap) == solids.MAX_PRIMITIVES
+  assert json.loads(_measure(env, {"solid": at_cap}).content)["components"] == solids.MAX_PRIMITIVES
+
+
+def test_generated_targets_fit_the_primitive_cap(tasks_by_level):
+  """Every template's part (and its corruption, the same tree) stays well under the cap."""
+  most = 0
+  for templates in gen.LEVELS:
+    for template in templates:
+      for seed in range(100):
+        most = max(most, solids.primitive_count(template(random.Random(seed)).solid))
+  assert most <= solids.MAX_PRIMITIVES // 2, most
+  for tasks in tasks_by_level.values():
+    for task in tasks:
+      solids.parse_solid(gen.corrupted_solid(task["target"]))
 
 
 # ---- environment -------------------------------------------------------------------------------

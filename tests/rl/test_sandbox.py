@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from rl.sandbox import Sandbox, SandboxUnavailable
+from rl.sandbox import Sandbox, SandboxUnavailable, taskdir
 from rl.sandbox.sandbox import SANDBOX_UID
 
 CAP = 64 * 1024
@@ -193,3 +193,65 @@ def test_zero_limits_are_refused_not_read_as_unlimited():
     with pytest.raises(ValueError, match=re.escape(f"config.env.{message}")):
       EnvContext.from_config(env)
   assert EnvContext.from_config(sft.get_config("tiny").env).memory_mb == 512
+
+
+def test_the_hand_over_does_not_walk_the_task_directory(sandbox, task_dir, monkeypatch):
+  """Before every command the host walked the whole task directory (lstat, maybe lchown, per
+  entry): at 300k files a `true` took 1.2 s of host work. Its cost no longer grows with the tree."""
+  assert sandbox.run("mkdir -p a/b && touch f{1..1500} a/g{1..500} a/b/h{1..500}", task_dir).exit_code == 0
+  calls = []
+
+  def counted(real):
+    def call(path, *args, **kwargs):
+      if str(path).startswith(str(task_dir)):
+        calls.append(path)
+      return real(path, *args, **kwargs)
+    return call
+
+  for name in ("lstat", "stat", "lchown", "chown", "scandir"):
+    monkeypatch.setattr(os, name, counted(getattr(os, name)))
+  result = sandbox.run("true", task_dir)
+  monkeypatch.undo()
+  assert result.exit_code == 0
+  assert len(calls) < 10, f"{len(calls)} file-system calls in the task directory for one command"
+
+
+def test_a_deep_directory_tree_breaks_no_later_command(sandbox, task_dir):
+  """1100 nested directories made every later command fail with RecursionError (os.walk)."""
+  deep = "python3 -c 'import os\nfor _ in range(1100):\n  os.mkdir(\"d\"); os.chdir(\"d\")'"
+  try:
+    assert sandbox.run(deep, task_dir).exit_code == 0
+    _still_works(sandbox, task_dir)
+  finally:
+    taskdir.remove_tree(task_dir / "d")
+  assert sorted(os.listdir(task_dir)) == ["alive.txt"]
+
+
+def test_remove_tree_is_iterative_and_never_follows_links(tmp_path):
+  """shutil.rmtree recurses (Python 3.11): a deep tree raised RecursionError even with
+  ignore_errors=True. remove_tree removes any depth (here past PATH_MAX), never through a link."""
+  outside = tmp_path / "outside"
+  outside.mkdir()
+  (outside / "keep.txt").write_text("keep")
+  root = tmp_path / "tree"
+  root.mkdir()
+  fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+  for i in range(1500):  # past the recursion limit, and 1500 x 11 bytes of path: past PATH_MAX
+    if i % 250 == 0:
+      os.close(os.open("file", os.O_WRONLY | os.O_CREAT, dir_fd=fd))
+      os.symlink(outside, "link", dir_fd=fd)
+      os.mkfifo("fifo", dir_fd=fd)
+      for j in range(20):
+        os.mkdir(f"wide{j}", dir_fd=fd)
+        os.close(os.open(f"wide{j}/x", os.O_WRONLY | os.O_CREAT, dir_fd=fd))
+    os.mkdir("directory_", dir_fd=fd)
+    child = os.open("directory_", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+    os.close(fd)
+    fd = child
+  os.close(fd)
+  taskdir.remove_tree(root)
+  assert not root.exists() and (outside / "keep.txt").read_text() == "keep"
+  taskdir.remove_tree(root)  # gone already: nothing to do
+  (tmp_path / "file").write_text("x")
+  taskdir.remove_tree(tmp_path / "file")
+  assert sorted(os.listdir(tmp_path)) == ["outside"]

@@ -1,12 +1,14 @@
 """Terminal tasks: generation contract, oracle/near-miss grading, and tool error handling."""
 
 import json
+import logging
+import os
 from pathlib import Path
 
 import pytest
 
 from rl.envs.base import EnvContext, make_env
-from rl.sandbox import Sandbox, SandboxUnavailable
+from rl.sandbox import Sandbox, SandboxUnavailable, taskdir
 from rl.tasks.generators import generate
 from rl.tasks.generators import terminal as gen
 from rl.tasks.schema import parse_task
@@ -125,6 +127,87 @@ def test_a_command_cannot_fill_the_disk_past_the_task_directory_cap(tmp_path):
   finally:
     env.close()
   assert not path.exists() and str(path) not in _mount_points()
+
+
+def _shell(env, command):
+  return env.execute(ToolCall(id="c", name="shell", arguments=json.dumps({"command": command})))
+
+
+def test_empty_files_stop_at_the_inode_cap(tmp_path):
+  """A tmpfs without nr_inodes had ~3M inodes: 1.1M empty files (8K used) grew the host's kernel
+  memory by more than 1 GB. Now files past the inode cap fail with ENOSPC while the data is tiny."""
+  ctx = EnvContext(root=tmp_path, disk_mb=4)
+  cap = taskdir.inode_cap(4)
+  task = generate("terminal", split="train", difficulty=0, n=1, seed=0)[0]
+  env = make_env(task, ctx)
+  try:
+    if str(env.dir) not in _mount_points():
+      pytest.skip("this process cannot mount a tmpfs (needs root on Linux); task directories are uncapped")
+    env.reset()
+    assert os.statvfs(env.dir).f_files == cap
+    fill = _shell(env, f"touch e{{1..{cap + 2000}}} 2>&1 | tail -n 1")
+    assert "No space left on device" in fill.content, fill.content
+    assert cap - 10 < len(os.listdir(env.dir)) < cap
+    vfs = os.statvfs(env.dir)
+    assert (vfs.f_blocks - vfs.f_bfree) * vfs.f_frsize < 2 ** 20  # the data is tiny
+    full = env.execute(ToolCall(id="c", name="write_file",
+                                arguments=json.dumps({"path": "n", "content": "x"})))
+    assert full.error and "the task directory is full" in full.content, full.content
+    assert "exit code: 0" in _shell(env, "rm -f e*; echo x > n").content  # and usable again
+  finally:
+    env.close()
+
+
+def test_a_deep_tree_breaks_neither_the_episode_nor_its_close(ctx, tmp_path, monkeypatch):
+  """1100 nested directories made every later shell call fail with RecursionError, and in an
+  uncapped task directory (no tmpfs) env.close() raised RecursionError out of
+  shutil.rmtree(ignore_errors=True), which failed the whole run."""
+  monkeypatch.setattr(taskdir, "mount_tmpfs", lambda path, size_mb: "simulated: mount refused")
+  uncapped = EnvContext(root=tmp_path, command_timeout_s=10.0)
+  task = generate("terminal", split="train", difficulty=0, n=1, seed=0)[0]
+  env = make_env(task, uncapped)
+  path = env.dir
+  try:
+    env.reset()
+    deep = _shell(env, "python3 -c 'import os\nfor _ in range(1100):\n  os.mkdir(\"directory_\"); "
+                       "os.chdir(\"directory_\")'")  # 12 kB of path: past PATH_MAX too
+    assert "exit code: 0" in deep.content, deep.content
+    after = _shell(env, "echo alive")
+    assert not after.error and "alive" in after.content, after.content
+  finally:
+    env.close()
+  assert not path.exists()
+
+
+def test_closing_an_episode_never_raises(tmp_path, monkeypatch, caplog):
+  """A failure to remove a task directory is logged; close() must not end the run."""
+  ctx = EnvContext(root=tmp_path)
+  path = ctx.new_dir("t")
+
+  def broken(p):
+    raise RecursionError("maximum recursion depth exceeded")
+
+  monkeypatch.setattr(taskdir, "remove_tree", broken)
+  with caplog.at_level(logging.WARNING):
+    ctx.remove_dir(path)
+  assert "cannot remove" in caplog.text and "RecursionError" in caplog.text
+  monkeypatch.undo()
+  ctx.remove_dir(path)
+  assert not path.exists()
+
+
+def test_a_nul_byte_in_a_command_is_a_clean_error(ctx, caplog):
+  """subprocess raised ValueError (embedded null byte), logged as a tool crash with a traceback."""
+  env = make_env(generate("terminal", split="train", difficulty=0, n=1, seed=0)[0], ctx)
+  try:
+    env.reset()
+    with caplog.at_level(logging.WARNING):
+      result = _shell(env, "echo a\x00b")
+    assert result.error and "NUL byte" in result.content and "internally" not in result.content, result
+    assert "crashed" not in caplog.text
+    assert not _shell(env, "echo fine").error
+  finally:
+    env.close()
 
 
 def _mount_points() -> set[str]:
