@@ -91,7 +91,7 @@ def build_runs(args: argparse.Namespace) -> dict[str, tuple]:
   failed only after the runs before it had finished, and printed no table.
   """
   from configs import rl as rl_config
-  from rl.train.trainer import check_run_knobs
+  from rl.train.checks import check_rl_config
 
   specs = args.variants.split()
   repeated = sorted({s for s in specs if specs.count(s) > 1})
@@ -113,7 +113,7 @@ def build_runs(args: argparse.Namespace) -> dict[str, tuple]:
       apply(config, path, value)
     for path, value in knobs:
       apply(config, path, value)
-    check_run_knobs(config.rl)
+    check_rl_config(config)  # every knob RLRun checks before it builds anything
     workdir = pathlib.Path(args.workdir) / re.sub(r"[^A-Za-z0-9_.=-]+", "_", spec)
     if workdir.exists():
       raise SystemExit(f"{workdir} exists: an ablation compares fresh runs; choose a new --workdir.")

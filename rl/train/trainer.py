@@ -47,13 +47,13 @@ from rl.agent.episode import Episode
 from rl.agent.executor import TimedExecutor, make_executor
 from rl.agent.loop import LoopConfig, run_episodes
 from rl.agent.policy import EnginePolicy, Sampling
-from rl.envs.base import EnvContext, check_env_config
-from rl.sft.data import parse_tier_mix
+from rl.envs.base import EnvContext
 from rl.train import batch as batch_lib
 from rl.train import multiprocess as mp
 from rl.train import objectives as obj_lib
 from rl.train import update as update_lib
-from rl.train.mixture import MixtureSampler, parse_levels, parse_mixture
+from rl.train.checks import check_rl_config, check_rl_resume
+from rl.train.mixture import MixtureSampler
 from serving.chat import ChatRenderer
 from serving.engine import Engine
 from sharding import mesh as mesh_lib
@@ -62,46 +62,9 @@ from sharding.state import create_sharded_model
 from training import batches as batches_lib
 from training import metrics as metrics_lib
 from training.checkpoint import Checkpointer, restore_params
-from training.knobs import check_int_knobs, check_nonnegative_numbers
-from training.loop import check_loop_config
 from training.train_step import TrainConfig, make_train_state
 
-_KNOBS = tuple(f.name for f in dataclasses.fields(obj_lib.Objective))
 _ADDITIVE = ("loss", "policy_loss")
-
-
-def objective_from_config(rl) -> obj_lib.Objective:
-  """config.rl.algorithm's preset with every knob config.rl sets (None keeps the preset's)."""
-  return obj_lib.objective(rl.algorithm, **{k: rl.get(k) for k in _KNOBS if rl.get(k) is not None})
-
-
-# config.rl's run knobs: (name, lowest allowed value, why), checked before anything is built.
-_RUN_KNOBS = (
-    ("steps", 0, "the number of RL steps"),
-    ("prompts_per_step", 1, "a step draws at least one prompt"),
-    ("samples_per_prompt", 2, "the group size: group-relative advantages need two samples to compare"),
-    ("max_refills", 0, "extra rounds of prompts under dynamic sampling"),
-    ("updates_per_step", 1, "passes over each step's batch"),
-    ("micro_batch", 1, "rows per gradient micro-batch"),
-    ("pad_multiple", 1, "rows are padded to a multiple of it"),
-    ("trajectories_per_step", 0, "whole episodes written per step"),
-    ("eval_every", 0, "0 turns held-out evaluation off"), ("eval_n", 1, "held-out tasks per domain"))
-
-
-def check_run_knobs(rl) -> None:
-  """A clear error naming the field for a run knob out of range, before any model is built.
-
-  (A run with prompts_per_step=0 used to play and train on nothing for every step and save
-  checkpoints of it.)
-  """
-  check_int_knobs("rl", rl, _RUN_KNOBS)
-  check_nonnegative_numbers("rl", rl, ("temperature", "budget_penalty", "adaptive_floor"))
-  if rl.temperature == 0:
-    raise ValueError("config.rl.temperature=0: greedy samples of a prompt are all the same episode, so "
-                     "every group ties and gives no gradient; sample at a temperature > 0 (1.0 is usual).")
-  if rl.adaptive and rl.adaptive_floor <= 0:
-    raise ValueError(f"config.rl.adaptive_floor={rl.adaptive_floor!r}: must be > 0 with adaptive=True "
-                     "(the floor keeps every domain drawn while none has shown progress).")
 
 
 class RLRun:
@@ -110,34 +73,19 @@ class RLRun:
   def __init__(self, config, workdir: str, devices: Sequence[jax.Device] | None = None):
     """devices: the mesh's devices (default all; config.mesh sizes them as in pretraining)."""
     self.config, self.workdir, self.rl = config, workdir, config.rl
-    check_run_knobs(config.rl)
-    check_env_config(config.env)
-    check_loop_config(config)  # checkpoint.every / keep, as in pretraining
+    settings = check_rl_config(config)  # every config.rl / env knob, before anything is built
     self.cfg = model_config(config)
+    check_rl_resume(config, self.cfg, epath.Path(workdir) / "checkpoints")
     self.tc = dataclasses.replace(TrainConfig.from_config(config.train), steps=int(config.rl.steps))
-    self.obj = objective_from_config(config.rl)
-    if self.obj.aggregation == "constant" and not self.obj.norm_tokens:
-      # Dr. GRPO divides by a constant, not the batch's length: the episode's generation budget.
-      self.obj = dataclasses.replace(
-          self.obj, norm_tokens=int(config.env.max_tokens_per_turn) * int(config.env.max_turns))
-    self.tiers = parse_tier_mix(config.rl.tiers, "config.rl.tiers")
-    mixture = parse_mixture(config.rl.mixture)
-    self.sampler = MixtureSampler(mixture, parse_levels(config.rl.difficulty, list(mixture)),
-                                  seed=int(config.rl.seed), adaptive=bool(config.rl.adaptive),
-                                  floor=float(config.rl.adaptive_floor))
+    self.obj, self.tiers, self.eval_tiers = settings.objective, settings.tiers, settings.eval_tiers
+    self.sampler = MixtureSampler(settings.mixture, settings.levels, seed=int(config.rl.seed),
+                                  adaptive=bool(config.rl.adaptive), floor=float(config.rl.adaptive_floor))
     self.shaping = batch_lib.Shaping(budget_penalty=float(config.rl.budget_penalty),
                                      max_tokens_per_turn=int(config.env.max_tokens_per_turn))
-    if self.obj.overlong_buffer >= self.shaping.max_tokens_per_turn:
-      raise ValueError(f"config.rl.overlong_buffer={self.obj.overlong_buffer} must be below "
-                       f"config.env.max_tokens_per_turn={self.shaping.max_tokens_per_turn} (the soft "
-                       "penalty ramps over the last overlong_buffer tokens); lower it.")
     self.loop_config = LoopConfig.from_config(config.env)
     self.tokenizer = batches_lib.tokenizer_for(config)
     self.think_end = self.tokenizer.special_id("/think")
     self.mesh = mesh_lib.make_mesh(config.mesh, devices)
-    if config.rl.rollout_quantization not in ("none", "experts", "all-linear"):
-      raise ValueError(f"config.rl.rollout_quantization={config.rl.rollout_quantization!r}: choose none, "
-                       "experts (routed experts in MXFP4) or all-linear.")
 
   # ---- setup ----------------------------------------------------------------------
   def _new_model(self) -> Horizon:
@@ -388,7 +336,7 @@ class RLRun:
       tasks += generators.generate(source, split="heldout", difficulty=level, n=int(rl.eval_n))
     if not tasks or jax.process_index() != 0:
       return {}
-    tiers = harness.parse_tiers(rl.eval_tiers, "config.rl.eval_tiers")
+    tiers = self.eval_tiers
     sampling = Sampling(temperature=0.0, seed=int(rl.seed),
                         max_tokens_per_turn=int(self.config.env.max_tokens_per_turn))
     out_dir = epath.Path(self.workdir) / "eval" / f"step_{step}"

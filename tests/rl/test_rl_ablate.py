@@ -48,6 +48,13 @@ def test_every_variant_is_checked_before_the_first_run(tmp_path):
     rl_ablate.build_runs(args("grpo dapo grpo"))
   with pytest.raises(ValueError, match="prompts_per_step"):
     rl_ablate.build_runs(args("grpo dapo", set=["rl.prompts_per_step=0"]))
+  # Everything RLRun checks (the objective, the mixture, the tiers): the first variant had run
+  # for a minute before `kl=k4` or an unknown eval tier of the second failed.
+  for variant, field in (("grpo+kl=k4", "config.rl.kl"), ("grpo+eval_tiers=hgh", "config.rl.eval_tiers"),
+                         ("grpo+mixture=maths=1", "config.rl.mixture"), ("grpo+tiers=hi", "config.rl.tiers"),
+                         ("grpo+rollout_quantization=fp4", "config.rl.rollout_quantization")):
+    with pytest.raises(ValueError, match=field):
+      rl_ablate.build_runs(args(f"grpo {variant}"))
   (tmp_path / "dapo").mkdir()
   with pytest.raises(SystemExit, match="dapo exists"):
     rl_ablate.build_runs(args("grpo dapo"))

@@ -171,7 +171,8 @@ def test_adaptive_weights_follow_progress_with_a_floor():
 def test_config_knobs_reach_the_objective_and_bad_values_name_the_field():
   from configs import rl as rl_config
   from rl.sft.data import parse_tier_mix as parse_tiers
-  from rl.train.trainer import RLRun, objective_from_config
+  from rl.train.checks import objective_from_config
+  from rl.train.trainer import RLRun
   config = rl_config.get_config("dapo,tiny")
   assert objective_from_config(config.rl).eps_high == 0.28  # the preset
   config.rl.eps_high = 0.35
@@ -193,7 +194,8 @@ def test_config_knobs_reach_the_objective_and_bad_values_name_the_field():
 def test_run_knobs_out_of_range_name_the_field_before_anything_is_built():
   from configs import rl as rl_config
   from rl.sft.data import parse_tier_mix
-  from rl.train.trainer import RLRun, check_run_knobs
+  from rl.train.checks import check_run_knobs
+  from rl.train.trainer import RLRun
   check_run_knobs(rl_config.get_config("grpo").rl)  # every preset's defaults pass
   check_run_knobs(rl_config.get_config("grpo,tiny").rl)
   for field, value, message in (

@@ -1,0 +1,66 @@
+"""RL launch checks (rl/train/checks.py): config values and resumes refused before a model is built."""
+
+import logging
+
+import pytest
+
+from configs import rl as rl_config
+from model.config import ModelConfig
+from rl.train.checks import DRAW_FIELDS, check_rl_config, check_rl_resume
+from tests._checkpoint_child import Small
+from training.checkpoint import Checkpointer
+
+
+def _config(**rl):
+  config = rl_config.get_config("grpo,tiny")
+  config.rl.update(**rl)
+  return config
+
+
+def test_values_that_failed_after_the_build_name_their_field():
+  """An unknown eval tier failed at the first held-out evaluation (after steps of rollouts and
+  before the checkpoint), a negative seed when the first prompts were drawn, and a task-file-only
+  mixture with eval_every > 0 evaluated nothing, silently."""
+  settings = check_rl_config(_config())
+  assert settings.mixture == {"math": 1.0} and settings.levels == {"math": 0}
+  for rl, says in (({"eval_tiers": "hgh"}, "config.rl.eval_tiers"), ({"seed": -1}, "config.rl.seed")):
+    with pytest.raises(ValueError, match=says):
+      check_rl_config(_config(**rl))
+
+
+def test_file_only_mixture_with_evaluation_is_refused(tmp_path, monkeypatch):
+  from rl.train import checks
+  monkeypatch.setattr(checks, "parse_mixture", lambda text: {f"file:{tmp_path}/t.jsonl": 1.0})
+  monkeypatch.setattr(checks, "parse_levels", lambda text, sources: {})
+  with pytest.raises(ValueError, match=r"config.rl.eval_every=2: .* has none \(task files only\)"):
+    check_rl_config(_config(eval_every=2))
+  check_rl_config(_config(eval_every=0))
+
+
+@pytest.fixture()
+def run_dir(tmp_path):
+  """A run's checkpoints at step 2, written with the tiny grpo config."""
+  config = _config()
+  with Checkpointer(tmp_path / "checkpoints", every=1, keep=1, async_save=False) as c:
+    c.save(2, model=Small(0), config=config.to_dict(), force=True)
+  return tmp_path / "checkpoints"
+
+
+def test_a_resume_is_checked_before_anything_is_built(run_dir, caplog):
+  """A resume with rl.steps below the checkpoint saved the last weights under a smaller step; a
+  changed config.model trained on silently; changed draw fields continued another run's streams
+  from this run's positions (the audit's step 2 played a level-2 task of seed 7)."""
+  cfg = ModelConfig.from_config(_config().model)
+  check_rl_resume(_config(steps=5), cfg, run_dir)
+  with pytest.raises(ValueError, match=r"config.rl.steps=1 is below step 2"):
+    check_rl_resume(_config(steps=1), cfg, run_dir)
+  changed = _config(steps=5)
+  changed.model.rope_theta = 500.0
+  with pytest.raises(ValueError, match=r"config.model differs .*rope_theta"):
+    check_rl_resume(changed, ModelConfig.from_config(changed.model), run_dir)
+  with pytest.raises(ValueError, match=r"difficulty \(checkpoint '0', now '2'\); seed \(checkpoint 0, now 7"):
+    check_rl_resume(_config(steps=5, seed=7, difficulty="2"), cfg, run_dir)
+  with caplog.at_level(logging.WARNING):
+    check_rl_resume(_config(steps=5, eval_every=3, budget_penalty=0.1), cfg, run_dir)
+  assert "config.rl changed: budget_penalty 0.2 -> 0.1; eval_every 0 -> 3" in caplog.text
+  assert {"seed", "mixture", "difficulty", "samples_per_prompt", "prompts_per_step"} <= set(DRAW_FIELDS)
