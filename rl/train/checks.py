@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
+from collections.abc import Mapping
 from typing import Any
 
 from absl import logging
@@ -134,3 +136,16 @@ def check_rl_resume(config, cfg: ModelConfig, run_checkpoints: Any) -> None:
   if changed:
     logging.warning("resuming %s at step %d with config.rl changed: %s", run_checkpoints, step,
                     "; ".join(f"{k} {v[0]!r} -> {v[1]!r}" for k, v in changed.items()))
+
+
+def check_step_finite(step: int, metrics: Mapping[str, float], nan_policy: str) -> None:
+  """config.train.nan_policy for an RL step whose loss or gradients were not finite (the update was
+  skipped): 'stop' raises, 'skip' logs and goes on. (RL raised on a non-finite loss whatever the
+  policy, and went on past non-finite gradients under 'stop'.)"""
+  if math.isfinite(metrics.get("loss", 0.0)) and metrics.get("finite", 1.0) != 0.0:
+    return
+  why = f"RL step {step}: loss {metrics.get('loss')}, finite gradients {metrics.get('finite')}"
+  if nan_policy == "stop":
+    raise FloatingPointError(f"{why}; lower config.train.learning_rate, or set "
+                             "config.train.nan_policy='skip' to skip such steps.")
+  logging.warning("%s: the update was skipped (config.train.nan_policy='skip')", why)

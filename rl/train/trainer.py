@@ -52,7 +52,7 @@ from rl.train import batch as batch_lib
 from rl.train import multiprocess as mp
 from rl.train import objectives as obj_lib
 from rl.train import update as update_lib
-from rl.train.checks import check_rl_config, check_rl_resume
+from rl.train.checks import check_rl_config, check_rl_resume, check_step_finite
 from rl.train.mixture import MixtureSampler
 from serving.chat import ChatRenderer
 from serving.engine import Engine
@@ -424,9 +424,7 @@ def run(config, workdir: str) -> dict[str, Any]:
         m.update({f"mix/{s}": w for s, w in r.sampler.adaptive.weights().items()})
         m.update(stats, rollout_s=t_roll, step_s=time.perf_counter() - t0, staleness=float(staleness))
         staleness = 1 if pending is not None else 0
-        if not np.isfinite(m.get("loss", 0.0)):
-          raise FloatingPointError(f"RL step {step}: the loss is {m['loss']}; lower "
-                                   "config.train.learning_rate.")
+        check_step_finite(step, m, r.tc.nan_policy)
         if every > 0 and ((step + 1) % every == 0 or step == steps - 1):
           m.update(r.evaluate(step + 1))
         logger.log(step, m)

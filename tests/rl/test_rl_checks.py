@@ -6,7 +6,7 @@ import pytest
 
 from configs import rl as rl_config
 from model.config import ModelConfig
-from rl.train.checks import DRAW_FIELDS, check_rl_config, check_rl_resume
+from rl.train.checks import DRAW_FIELDS, check_rl_config, check_rl_resume, check_step_finite
 from tests._checkpoint_child import Small
 from training.checkpoint import Checkpointer
 
@@ -64,3 +64,15 @@ def test_a_resume_is_checked_before_anything_is_built(run_dir, caplog):
     check_rl_resume(_config(steps=5, eval_every=3, budget_penalty=0.1), cfg, run_dir)
   assert "config.rl changed: budget_penalty 0.2 -> 0.1; eval_every 0 -> 3" in caplog.text
   assert {"seed", "mixture", "difficulty", "samples_per_prompt", "prompts_per_step"} <= set(DRAW_FIELDS)
+
+
+def test_nan_policy_is_honoured(caplog):
+  """RL raised on a non-finite loss whatever config.train.nan_policy said, and went on past
+  non-finite gradients (the update skipped) under 'stop'."""
+  check_step_finite(3, {"loss": 0.5, "finite": 1.0}, "stop")
+  for m in ({"loss": float("nan"), "finite": 0.0}, {"loss": 0.5, "finite": 0.0}):
+    with pytest.raises(FloatingPointError, match=r"RL step 3: .*nan_policy='skip'"):
+      check_step_finite(3, m, "stop")
+    with caplog.at_level(logging.WARNING):
+      check_step_finite(3, m, "skip")
+  assert caplog.text.count("the update was skipped") == 2
