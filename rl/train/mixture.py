@@ -23,6 +23,7 @@ to progress + `floor` (so no domain starves), renormalised, and logged every ste
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -52,38 +53,60 @@ def parse_mixture(text: str) -> dict[str, float]:
     if not name.startswith("file:") and name not in DOMAINS:
       raise ValueError(f"config.rl.mixture: unknown source {name!r}; use a domain ({', '.join(DOMAINS)}) "
                        "or file:PATH.jsonl.")
-    if w < 0:
-      raise ValueError(f"config.rl.mixture: weight of {name!r} is {w}; weights must be >= 0.")
+    if not (math.isfinite(w) and w >= 0):
+      raise ValueError(f"config.rl.mixture: weight of {name!r} is {w}; weights must be finite and >= 0.")
+    if name in out:
+      raise ValueError(f"config.rl.mixture: {name} appears twice in {text!r}; give each source once.")
     out[name] = w
   if not out or sum(out.values()) <= 0:
     raise ValueError(f"config.rl.mixture={text!r}: give at least one source a positive weight.")
   return out
 
 
-def parse_levels(text: str, sources: Sequence[str]) -> dict[str, int]:
-  """"math=1,cad=0" or "0" (every domain) -> {domain: level}, capped at each domain's top."""
+def _level_entries(text: str) -> tuple[int | None, dict[str, int]]:
+  """config.rl.difficulty's text -> (the level for every domain or None, {domain: level})."""
   out: dict[str, int] = {}
-  default = 0
+  default = None
   for part in (p.strip() for p in str(text).split(",")):
     if not part:
       continue
     name, sep, level = part.rpartition("=")
     if not level.strip().lstrip("-").isdigit():
       raise ValueError(f"config.rl.difficulty: {part!r} is not an integer level or domain=level.")
-    if sep:
-      if name not in DOMAINS:
-        raise ValueError(f"config.rl.difficulty: unknown domain {name!r}.")
-      out[name] = int(level)
-    else:
+    if not sep:
+      if default is not None:
+        raise ValueError(f"config.rl.difficulty={text!r}: more than one level for every domain; give one.")
       default = int(level)
+    elif name not in DOMAINS:
+      raise ValueError(f"config.rl.difficulty: unknown domain {name!r}.")
+    elif name in out:
+      raise ValueError(f"config.rl.difficulty: {name} appears twice in {text!r}; give each domain once.")
+    else:
+      out[name] = int(level)
+  return default, out
+
+
+def parse_levels(text: str, sources: Sequence[str]) -> dict[str, int]:
+  """"math=1,cad=0" or "0" (every domain) -> {domain: level} for the generated domains of
+  `sources` (config.rl.mixture's); a level for a domain the mixture does not draw is an error."""
+  default, out = _level_entries(text)
+  generated = [s for s in sources if s in DOMAINS]
+  for name in out:
+    if name not in generated:
+      drawn = ", ".join(generated) or "none"
+      raise ValueError(f"config.rl.difficulty: {name}={out[name]} sets a level for {name}, which "
+                       f"config.rl.mixture does not draw from (its domains: {drawn}); drop it or add "
+                       f"{name} to config.rl.mixture.")
+  if default and not generated:  # the default "0" is harmless; a chosen level would go unused
+    raise ValueError(f"config.rl.difficulty={text!r}: config.rl.mixture has no generated domain (file: "
+                     "tasks keep their own levels), so the level would be ignored; drop it.")
   levels = {}
-  for s in sources:
-    if s in DOMAINS:
-      top = generators.max_difficulty(s)
-      lvl = out.get(s, default)
-      if not 0 <= lvl <= top:
-        raise ValueError(f"config.rl.difficulty: {s} level {lvl} is outside 0..{top}.")
-      levels[s] = lvl
+  for s in generated:
+    top = generators.max_difficulty(s)
+    lvl = out.get(s, default or 0)
+    if not 0 <= lvl <= top:
+      raise ValueError(f"config.rl.difficulty: {s} level {lvl} is outside 0..{top}.")
+    levels[s] = lvl
   return levels
 
 

@@ -180,3 +180,44 @@ def test_kl_in_reward():
   want = [0.5 * sum(float(batch["logp_rollout"][b, t] - batch["logp_ref"][b, t])
                     for t in range(T) if batch["mask"][b, t]) for b in range(B)]
   np.testing.assert_allclose(pen, want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("knob", ["kl_coef", "overlong_penalty", "eps_low"])
+@pytest.mark.parametrize("value", [math.inf, math.nan])
+def test_knobs_must_be_finite(knob, value):
+  """overlong_penalty=inf made NaN advantages, kl_coef=inf a NaN loss, one full step later."""
+  with pytest.raises(ValueError, match=rf"config\.rl\.{knob}={value!r}: must be"):
+    obj_lib.objective("dapo", **{"kl": "k3", "kl_coef": 0.1, knob: value})
+
+
+def test_inf_stays_a_deliberate_no_cap():
+  o = obj_lib.objective("grpo", eps_high=math.inf, tis_cap=math.inf)
+  assert o.eps_high == math.inf and o.tis_cap == math.inf
+  with pytest.raises(ValueError, match=r"config\.rl\.tis_cap=-inf: must be >= 0 \(inf: no cap\)"):
+    obj_lib.objective("grpo", tis_cap=-math.inf)
+  with pytest.raises(ValueError, match=r"Objective\.adv_eps=inf: must be finite and > 0"):
+    obj_lib.Objective(adv_eps=math.inf)
+
+
+@pytest.mark.parametrize("overrides, message", [
+  (dict(kl="k3"), r"config\.rl\.kl='k3' with config\.rl\.kl_coef=0: the KL term would have no effect"),
+  (dict(kl_coef=0.5), r"config\.rl\.kl_coef=0\.5 with config\.rl\.kl='none': there is no KL term"),
+  (dict(kl_place="in_reward"), r"config\.rl\.kl_place='in_reward' with config\.rl\.kl='none'"),
+  (dict(norm_tokens=1000), r"config\.rl\.norm_tokens=1000 is used only by config\.rl\.aggregation="),
+  (dict(overlong_penalty=5.0), r"config\.rl\.overlong_penalty=5\.0 with config\.rl\.overlong_buffer=0"),
+])
+@pytest.mark.parametrize("algorithm", ["grpo", "gspo", "rloo"])
+def test_knobs_that_would_do_nothing_are_refused(algorithm, overrides, message):
+  with pytest.raises(ValueError, match=message):
+    obj_lib.objective(algorithm, **overrides)
+
+
+def test_every_preset_and_its_meaningful_overrides_still_build():
+  for algorithm in obj_lib.ALGORITHMS:
+    obj_lib.objective(algorithm)
+    obj_lib.objective(algorithm, kl="k1", kl_coef=0.1, kl_place="in_reward")
+    obj_lib.objective(algorithm, kl="none", kl_coef=0.0, overlong_buffer=16, overlong_penalty=0.5)
+  assert obj_lib.objective("dr_grpo", norm_tokens=1000).norm_tokens == 1000
+  assert obj_lib.objective("dapo", overlong_buffer=0, overlong_penalty=0.0).overlong_buffer == 0
+  with pytest.raises(ValueError, match=r"config\.rl\.overlong_penalty=2\.0 with config\.rl\.overlong_buf"):
+    obj_lib.objective("dapo", overlong_buffer=0, overlong_penalty=2.0)

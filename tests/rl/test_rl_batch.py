@@ -244,7 +244,35 @@ def test_a_resumed_run_keeps_its_kl_reference(caplog):
     r._resumed_origin(saved, "/runs/other")
   legacy = r._resumed_origin(None, "/runs/sft/checkpoints")  # a checkpoint from before origins
   assert legacy == {"init_from": "/runs/sft/checkpoints", "step": None}
-  config.rl.kl = "none"
+  config.rl.update(kl="none", kl_coef=None)  # a kl_coef without a KL term is refused
   with caplog.at_level("WARNING"):
     assert RLRun(config, "/tmp/unused")._resumed_origin(saved, "/runs/other") == saved
   assert "the override is ignored" in caplog.text
+
+
+@pytest.mark.parametrize("text", ["math=nan", "math=inf", "math=1e309", "math=1,terminal=-inf"])
+def test_mixture_refuses_non_finite_weights(text):
+  """A NaN/inf weight passed parse_mixture and died in the sampler after the model was built."""
+  with pytest.raises(ValueError, match=r"config\.rl\.mixture: weight of '\w+' is -?(nan|inf); weights must "
+                                       r"be finite and >= 0"):
+    parse_mixture(text)
+
+
+def test_mixture_and_levels_refuse_repeated_and_unused_entries():
+  """'math=1,math=2' kept the last weight; a level for a domain outside the mixture was ignored."""
+  for text in ("math=1,math=2", "math=1,math=0", "file:/t.jsonl=1,terminal=1,file:/t.jsonl=2"):
+    with pytest.raises(ValueError, match=r"config\.rl\.mixture: \S+ appears twice"):
+      parse_mixture(text)
+  with pytest.raises(ValueError, match=r"config\.rl\.difficulty: math appears twice in 'math=1,math=0'"):
+    parse_levels("math=1,math=0", ["math"])
+  with pytest.raises(ValueError, match=r"config\.rl\.difficulty=.*more than one level for every domain"):
+    parse_levels("1,2", ["math"])
+  with pytest.raises(ValueError, match=r"config\.rl\.difficulty: cad=1 sets a level for cad, which "
+                                       r"config\.rl\.mixture does not draw from \(its domains: math\)"):
+    parse_levels("cad=1", ["math"])
+  with pytest.raises(ValueError, match=r"config\.rl\.difficulty: math=2 .*\(its domains: none\)"):
+    parse_levels("math=2", ["file:/t.jsonl"])
+  with pytest.raises(ValueError, match=r"config\.rl\.difficulty='2': config\.rl\.mixture has no generated"):
+    parse_levels("2", ["file:/t.jsonl"])
+  assert parse_levels("0", ["file:/t.jsonl"]) == {}  # the default level stays harmless
+  assert parse_levels("1,math=2", ["math", "cad", "file:/t.jsonl"]) == {"math": 2, "cad": 1}
