@@ -46,11 +46,12 @@ def _sft() -> ml_collections.ConfigDict:
   s.difficulties = "0"  # levels per domain: "0", "0,1", or "all"
   s.tasks_per_level = 1500  # train-split tasks per domain and level
   # "" = each oracle at the smallest tier holding its thinking; "low=1,high=1,max=1" = a tier
-  # drawn per task, thinking as deep as the oracle writes for it (thinking_by_tier)
+  # drawn per task, thinking as deep as the oracle writes for it (thinking_by_tier); "off" = the
+  # oracle's turns without thinking, rendered with thinking off
   s.tiers = ""
   s.task_seed = 0
   s.chat_files = ""  # comma-separated OpenAI-format chat JSONL files
-  s.chat_tier = ""  # tier stated for chat files; "" = "max" when they think, else thinking off
+  s.chat_tier = ""  # low | high | max stated for chat files; "" = "max" when they think, else thinking off
   s.seed = 0  # example order and batch sampling
   return s
 

@@ -53,6 +53,8 @@ def parse_tier_mix(text: str, field: str = "tiers") -> dict[str, float]:
     name, sep, w = part.partition("=")
     if name not in ("low", "high", "max", "off"):
       raise ValueError(f"{field}: unknown tier {name!r}; tiers: low, high, max, off.")
+    if name in out:
+      raise ValueError(f"{field}={text!r}: tier {name!r} appears twice; give each tier one weight.")
     try:
       out[name] = float(w) if sep else 1.0
     except ValueError:

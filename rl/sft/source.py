@@ -11,7 +11,12 @@ results are what the tools return), at the tier whose thinking budget holds the 
 thinking (`data.tier_for_thinking`), or with config.sft.tiers at a tier drawn per task with
 the oracle's thinking for that tier (`thinking_by_tier`: e.g. math's result alone at low,
 the working at high, each column counted unit by unit at max): the model learns to think as deep as
-the tier it is told.
+the tier it is told. A task drawn at 'off' is played and rendered with thinking off (the oracle's
+answers and tool calls without its thinking), as the agent loop runs tier None.
+
+config.sft is checked (`checks.check_sft_config`) before any task is generated, and a resumed
+run's data state (`get_state`: config.sft's identity and a digest of the examples) is compared with
+the config before the data is built again (`checks.check_data_state`).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from rl.agent.loop import LoopConfig, run_episodes
 from rl.agent.oracle import OraclePolicy, turn_thinking
 from rl.agent.policy import Sampling
 from rl.envs.base import EnvContext
+from rl.sft import checks
 from rl.sft import data as sft
 from rl.tasks import generators
 from serving.chat import ChatRenderer
@@ -43,7 +49,7 @@ def oracle_conversations(tasks, ctx: EnvContext, config: LoopConfig, budgets: di
   tiers: None = each task at the smallest tier whose budget holds its oracle's thinking; a mix
   {tier: weight} = a tier drawn per task (seeded by `seed` and its position), its thinking the
   oracle's `thinking_by_tier` entry where it has one, and the smallest fitting tier instead
-  when that thinking exceeds the drawn tier's budget.
+  when that thinking exceeds the drawn tier's budget; 'off' = thinking off (tier None).
   Only trajectories that succeed are kept (a generator bug must not teach a wrong answer).
   """
   tools_of: dict[str, list] = {}
@@ -56,9 +62,11 @@ def oracle_conversations(tasks, ctx: EnvContext, config: LoopConfig, budgets: di
 
   plain: dict[str, list] = {}  # tasks played with their one default thinking, whatever the tier
 
-  def tier_of(i, task) -> str:
+  def tier_of(i, task) -> str | None:
     if tiers:
       drawn = names[np.random.default_rng([seed, i, 5]).choice(len(names), p=p / p.sum())]
+      if drawn == "off":
+        return None  # played and rendered with thinking off, as the agent loop runs tier None
       if drawn in budgets and longest(task, drawn) <= budgets[drawn]:
         return drawn
     # the smallest tier holding the default thinking, played with that thinking (not the tier's)
@@ -113,32 +121,34 @@ class SFTBatches:
 
   def __init__(self, config, mesh: jax.sharding.Mesh, tc, tokenizer, renderer: ChatRenderer,
                ctx: EnvContext, loop: LoopConfig):
+    checks.check_sft_config(config)  # every knob, before any task is generated or played
     self.mesh, self.tc, self.seed = mesh, tc, int(config.sft.seed)
+    self.identity = checks.data_identity(config)
     s = config.sft
     examples: list[sft.Example] = []
     self.counts: dict[str, int] = {}
+    self.tiers: dict[str, int] = {}  # oracle examples per tier ('off': thinking off)
+    digest = checks.DataDigest()
     budgets = dict(config.serving.thinking_budgets)
     tiers = sft.parse_tier_mix(s.tiers, "config.sft.tiers") if s.tiers else None
-    domains = [d.strip() for d in s.domains.split(",") if d.strip()]
-    for domain in domains:  # all checked before any is played
-      if domain not in generators.DOMAINS:
-        raise ValueError(f"config.sft.domains: unknown domain {domain!r}; domains: "
-                         f"{', '.join(generators.DOMAINS)} (comma-separated).")
     # Chat files are read (and any error in them raised) before minutes of oracle episodes;
     # their examples still follow the oracles', as before.
-    chats = {p.strip(): chat_examples(p.strip(), renderer, s.chat_tier or None)
-             for p in s.chat_files.split(",") if p.strip()}
-    for domain in domains:
-      for level in _levels(s.difficulties, generators.max_difficulty(domain)):
+    chats = {p: chat_examples(p, renderer, s.chat_tier or None) for p in checks.chat_paths(s)}
+    for domain in checks.sft_domains(s):
+      for level in checks.sft_levels(s.difficulties, domain):
         tasks = generators.generate(domain, split="train", difficulty=level, n=int(s.tasks_per_level),
                                     seed=int(s.task_seed))
         played = oracle_conversations(tasks, ctx, loop, budgets, tokenizer, workers=int(config.env.workers),
                                       tiers=tiers, seed=int(s.task_seed) * 1009 + level)
         for messages, tools, tier, task in played:
           examples.append(sft.render_example(renderer, messages, tools, tier, source=task.id))
+          digest.add(examples[-1], tier)
+          self.tiers[tier or "off"] = self.tiers.get(tier or "off", 0) + 1
         self.counts[f"{domain}/{level}"] = len(played)
     for path, rendered in chats.items():
       examples += rendered
+      for ex in rendered:
+        digest.add(ex, whole=True)
       self.counts[path] = len(rendered)
     order = np.random.default_rng(self.seed).permutation(len(examples))
     self.stats = sft.PackStats()
@@ -150,6 +160,7 @@ class SFTBatches:
     if self.stats.dropped_too_long:
       _log.warning("SFT: %d examples longer than seq_len+1=%d tokens were dropped; raise "
                    "config.train.seq_len to keep them", self.stats.dropped_too_long, tc.seq_len + 1)
+    self.digest = digest.hexdigest()
 
   def start(self) -> None:
     pass
@@ -163,29 +174,30 @@ class SFTBatches:
 
     return byte_corpus.global_batch(self.mesh, tc.global_batch, tc.seq_len, make_rows)
 
+  @staticmethod
+  def check_state(config, state: Any) -> None:
+    """A checkpoint's data state against `config`, before the data is built (names what differs)."""
+    checks.check_data_state(state, checks.data_identity(config))
+
   def get_state(self) -> dict[str, Any]:
-    return {"pipeline": "sft", "seed": self.seed, "rows": len(self.rows)}
+    return {"pipeline": "sft", "seed": self.seed, "rows": len(self.rows), "data": self.identity,
+            "digest": self.digest}
 
   def set_state(self, state: Any) -> None:
-    if not (isinstance(state, dict) and state.get("pipeline") == "sft"):
-      raise ValueError("the checkpoint in this workdir is not an SFT run's; use a new --workdir (pass a "
-                       "pretraining checkpoint with --config.checkpoint.init_from instead)")
+    checks.check_data_state(state, self.identity)
     if state["seed"] != self.seed or state["rows"] != len(self.rows):
       raise ValueError(f"the checkpoint's SFT data had seed {state['seed']} and {state['rows']} rows, this "
                        f"run {self.seed} and {len(self.rows)}: resume with the same config.sft")
+    if state.get("digest", self.digest) != self.digest:
+      raise ValueError("the SFT data built now differs from the data of the checkpoint this run resumes, "
+                       "though the config that shapes it is the same: a chat file's contents or the task "
+                       "generators or their oracles changed. Restore them, or train on the new data in a "
+                       "new --workdir (--config.checkpoint.init_from=<this workdir>/checkpoints starts it "
+                       "from these weights).")
 
   def summary(self) -> dict[str, Any]:
     st = self.stats
     return {"sft_examples": st.examples, "sft_rows": st.rows, "sft_dropped_too_long": st.dropped_too_long,
             "data_tokens": st.tokens, "sft_target_tokens": st.target_tokens, "sft_sources": self.counts,
-            "prepared_dir": None}
+            "sft_tiers": self.tiers, "prepared_dir": None}
 
-
-def _levels(spec: str, top: int) -> list[int]:
-  """'0' / '0,1' / 'all' -> levels (capped at the domain's top level)."""
-  if str(spec).strip() == "all":
-    return list(range(top + 1))
-  levels = sorted({min(int(x), top) for x in str(spec).split(",") if x.strip()})
-  if not levels:
-    raise ValueError("config.sft.difficulties is empty; e.g. '0' or '0,1' or 'all'")
-  return levels
