@@ -104,27 +104,31 @@ def check_init_from(config, run_checkpoints: Any) -> None:
 RESUMABLE_MODEL_FIELDS = RUNTIME_FIELDS
 
 
-def check_resume(config, cfg: ModelConfig, run_checkpoints: Any) -> None:
-  """A run resuming from its own checkpoint: its step and model, before data or model are built.
+def check_resume(config, cfg: ModelConfig, run_checkpoints: Any,
+                 steps_field: str = "train.steps") -> dict | None:
+  """A run resuming from its own checkpoint: its step and model, before data or model are built;
+  returns the checkpoint's meta (None for a fresh run).
 
-  With train.steps below the checkpoint's step the run trained nothing and saved the last
-  weights again under a smaller step; a changed config.model either trained on silently or
-  failed a minute later naming a tensor rather than the field.
+  With the run's length (config.<steps_field>; RL's is rl.steps) below the checkpoint's step the
+  run trained nothing and saved the last weights again under a smaller step; a changed
+  config.model either trained on silently or failed a minute later naming a tensor rather than
+  the field.
   """
   try:
     meta = read_meta(run_checkpoints)
   except CheckpointNotFoundError:
-    return
-  step = int(meta["step"])
-  if config.train.steps < step:
-    raise ValueError(f"config.train.steps={config.train.steps} is below step {step} of this run's checkpoint "
+    return None
+  step, (section, field) = int(meta["step"]), steps_field.split(".")
+  steps = config[section][field]
+  if steps < step:
+    raise ValueError(f"config.{steps_field}={steps} is below step {step} of this run's checkpoint "
                      f"in {run_checkpoints}; raise it to continue the run, or use a new --workdir.")
   try:  # the stored config, with fields added since it was written taken from config.model
     before = dataclasses.asdict(stored_model_config(run_checkpoints, config.model, step))
   except ConfigError as e:
     logging.warning("cannot compare config.model with %s's stored config (%s); resuming as configured",
                     run_checkpoints, e)
-    return
+    return meta
   now = dataclasses.asdict(cfg)
   changed = [f"{k} (checkpoint {before[k]!r}, now {now[k]!r})" for k in now
              if k not in RESUMABLE_MODEL_FIELDS and before.get(k) != now[k]]
@@ -133,6 +137,7 @@ def check_resume(config, cfg: ModelConfig, run_checkpoints: Any) -> None:
                      f"{step}): {'; '.join(changed)}. Resume with the checkpoint's values, or train the new "
                      "model in a new --workdir (--config.checkpoint.init_from can start it from these "
                      "weights where their shapes agree).")
+  return meta
 
 
 def check_layout(tc: TrainConfig, cfg: ModelConfig, mesh: jax.sharding.Mesh) -> None:

@@ -9,7 +9,6 @@ checkpoint), fails here naming its field.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 from collections.abc import Mapping
@@ -23,7 +22,6 @@ from rl.eval.harness import parse_tiers
 from rl.sft.data import parse_tier_mix
 from rl.train import objectives as obj_lib
 from rl.train.mixture import parse_levels, parse_mixture
-from training.checkpoint import CheckpointNotFoundError, read_meta
 from training.knobs import check_int_knobs, check_nonnegative_numbers
 from training.loop import check_init_from, check_loop_config, check_resume
 
@@ -113,18 +111,10 @@ def check_rl_resume(config, cfg: ModelConfig, run_checkpoints: Any) -> None:
   a smaller step), config.model as in pretraining, and the config.rl fields that decide the
   episodes (DRAW_FIELDS: refused, named); other config.rl changes are logged."""
   check_init_from(config, run_checkpoints)
-  try:
-    meta = read_meta(run_checkpoints)
-  except CheckpointNotFoundError:
+  meta = check_resume(config, cfg, run_checkpoints, steps_field="rl.steps")
+  if meta is None:
     return
   step = int(meta["step"])
-  if config.rl.steps < step:
-    raise ValueError(f"config.rl.steps={config.rl.steps} is below step {step} of this run's checkpoint in "
-                     f"{run_checkpoints}; raise it to continue the run, or use a new --workdir.")
-  model_only = copy.deepcopy(config)  # config.train.steps is not this run's length: rl.steps is
-  with model_only.unlocked():
-    model_only.train.steps = step
-  check_resume(model_only, cfg, run_checkpoints)
   before = (meta.get("config") or {}).get("rl") or {}
   now = config.rl.to_dict()
   changed = {k: (before[k], now.get(k)) for k in before if k in now and before[k] != now[k] and k != "steps"}

@@ -107,15 +107,21 @@ def test_tool_errors_come_back_as_results(ctx):
     env.close()
 
 
+def _capped_env(root, disk_mb: int):
+  """A reset terminal episode whose task directory is a tmpfs of disk_mb (skips where none mounts)."""
+  env = make_env(generate("terminal", split="train", difficulty=0, n=1, seed=0)[0],
+                 EnvContext(root=root, disk_mb=disk_mb))
+  if str(env.dir) not in _mount_points():
+    env.close()
+    pytest.skip("this process cannot mount a tmpfs (needs root on Linux); task directories are uncapped")
+  env.reset()
+  return env
+
+
 def test_a_command_cannot_fill_the_disk_past_the_task_directory_cap(tmp_path):
   """--rlimit_fsize caps one file; five 60 MB files in one command wrote 301 MB to the host's disk."""
-  ctx = EnvContext(root=tmp_path, disk_mb=16)
-  task = generate("terminal", split="train", difficulty=0, n=1, seed=0)[0]
-  env = make_env(task, ctx)
+  env = _capped_env(tmp_path, 16)
   try:
-    if str(env.dir) not in _mount_points():
-      pytest.skip("this process cannot mount a tmpfs (needs root on Linux); task directories are uncapped")
-    env.reset()
     fill = env.execute(ToolCall(id="c", name="shell", arguments=json.dumps(
       {"command": "for i in 1 2 3; do head -c 8M /dev/zero > f$i; done; du -sm . | cut -f1"})))
     assert "No space left on device" in fill.content, fill.content
@@ -136,14 +142,9 @@ def _shell(env, command):
 def test_empty_files_stop_at_the_inode_cap(tmp_path):
   """A tmpfs without nr_inodes had ~3M inodes: 1.1M empty files (8K used) grew the host's kernel
   memory by more than 1 GB. Now files past the inode cap fail with ENOSPC while the data is tiny."""
-  ctx = EnvContext(root=tmp_path, disk_mb=4)
   cap = taskdir.inode_cap(4)
-  task = generate("terminal", split="train", difficulty=0, n=1, seed=0)[0]
-  env = make_env(task, ctx)
+  env = _capped_env(tmp_path, 4)
   try:
-    if str(env.dir) not in _mount_points():
-      pytest.skip("this process cannot mount a tmpfs (needs root on Linux); task directories are uncapped")
-    env.reset()
     assert os.statvfs(env.dir).f_files == cap
     fill = _shell(env, f"touch e{{1..{cap + 2000}}} 2>&1 | tail -n 1")
     assert "No space left on device" in fill.content, fill.content
