@@ -55,8 +55,7 @@ _PLAN_ONLY = (_MESH, _DEVICES, _MICRO, _REMAT, _HBM, _OPTIMIZER, _BACKEND, _EXCH
 
 
 def main(argv):
-  if len(argv) > 1:  # `--validate false` parses as --validate and leaves 'false' here
-    raise app.UsageError(f"unexpected arguments {argv[1:]}; flags take the form --flag=value")
+  del argv  # (run_app refuses stray positional arguments: `--validate false`)
   cfg = model_config(_CONFIG.value)
   if _GLOBAL_BATCH.value is None:
     raise app.UsageError("--global_batch is required (sequences per optimizer step).")
