@@ -416,7 +416,8 @@ def run(config, workdir: str) -> dict[str, Any]:
         pending = pool.submit(r.rollout, step + 1) if use_async and step + 1 < steps else None
         m = r.update(episodes, sync=pending is None) if episodes else {}
         if not episodes:
-          logging.warning("step %d: every group had equal rewards; no update", step)
+          logging.warning("step %d: no group to train on (%d with equal rewards, %d with an engine or grader "
+                          "failure); no update", step, stats["groups_dropped"], stats["groups_invalid"])
         if pending is not None:  # the engine finishes the next step's rollouts, then takes the weights
           futures.wait([pending])
           m["sync_s"] = r.sync_weights()
