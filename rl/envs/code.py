@@ -7,7 +7,9 @@ removed (Python would run an unchecked-hash one in place of a restored test modu
 `test_command` runs with `bash -c` in the repository root, sandboxed, with the task's
 `timeout`. Reward 1 iff it exits 0 in time and, when the task has a `pass_marker`, printed it.
 The generated tasks' hidden tests run their checks in a process that never imports the agent's
-code (rl/tasks/generators/code_checker.py).
+code (rl/tasks/generators/code_checker.py). A task file's own hidden tests that import the
+solution into the process that prints the marker can be fooled by it (reading the marker from the
+test file, patching unittest); write them as code_checker does.
 """
 
 from __future__ import annotations
