@@ -164,11 +164,20 @@ def _row_constraint(proc: TokenProcessor, vocab_size: int) -> int | np.ndarray |
   return allowed
 
 
-def constraints(slots: Sequence[Slot | None], rows: Sequence[int],
-                vocab_size: int) -> tuple[np.ndarray, np.ndarray | None, list[int]]:
+def open_rows(n: int, vocab_size: int, open_row: np.ndarray | None) -> np.ndarray:
+  """bool [n, V]: every row may sample what open_row allows (every id when it is None)."""
+  if open_row is None:
+    return np.ones((n, vocab_size), bool)
+  return np.repeat(np.asarray(open_row, bool)[None], n, axis=0)
+
+
+def constraints(slots: Sequence[Slot | None], rows: Sequence[int], vocab_size: int,
+                open_row: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None, list[int]]:
   """Asks each row's processor: forced ids [S] (-1 = none), masks [S, V] (or None), failed rows.
 
-  A processor that raises (or returns an invalid constraint) fails its row only.
+  open_row: bool [V], what an unconstrained row may sample (default every id; the engine passes
+  the ids its tokenizer has). A processor that raises (or returns an invalid constraint) fails its
+  row only.
   """
   forced = np.full(len(slots), -1, np.int32)
   masks, failed = None, []
@@ -185,6 +194,6 @@ def constraints(slots: Sequence[Slot | None], rows: Sequence[int],
     if isinstance(c, int):
       forced[i] = c
     elif c is not None:
-      masks = np.ones((len(slots), vocab_size), bool) if masks is None else masks
+      masks = open_rows(len(slots), vocab_size, open_row) if masks is None else masks
       masks[i] = c
   return forced, masks, failed

@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 from model.layers import scatter_set
-from serving.batch import sampling_args
+from serving.batch import open_rows, sampling_args
 from serving.sampling import sample_batch
 from serving.types import FreeRun
 
@@ -148,13 +148,14 @@ def _free_run(slot: Any) -> FreeRun | None:
 
 
 def run_ahead(rows: Sequence[Any], waiting: int, block: int | None, max_context: int, vocab_size: int,
-              steps: int) -> Call | None:
+              steps: int, open_row: np.ndarray | None = None) -> Call | None:
   """A call of up to `steps` steps for the engine's rows, or None (a row needs the host each token).
 
   Eligible: no request waiting for a slot and no row prefilling (either would wait K tokens), and
   every decoding row's processor, if any, promising a free run of at least one token (`FreeRun`).
   block: the prefix cache's block when it caches decoded blocks (it snapshots a row's state where
   the row stands on a block's end), so a row's run stops at its next block end; None: no limit.
+  open_row: bool [V], what a row without a mask may sample (batch.constraints); None: every id.
   """
   if waiting or steps < 2:
     return None
@@ -180,7 +181,7 @@ def run_ahead(rows: Sequence[Any], waiting: int, block: int | None, max_context:
   masks = {i: run.mask for i, run in runs.items() if run.mask is not None}
   mask = None
   if masks:
-    mask = np.ones((len(rows), vocab_size), bool)
+    mask = open_rows(len(rows), vocab_size, open_row)
     for i, m in masks.items():
       mask[i] = False
       mask[i, :len(m)] = np.asarray(m, bool)

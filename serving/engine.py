@@ -117,7 +117,9 @@ class Engine:
     # Constant inputs kept on the device: "no constraint" masks, and the image patches of chunks
     # without placeholders. The prefill always takes image_embeds [1, W, d] (the size of one
     # chunk's activations), so one program per width serves chunks with and without images.
-    self._all_allowed = {b: jnp.ones((b, self.vocab_size), bool) for b in self.decode_buckets}
+    # Ids past the tokenizer's (a padded vocabulary: tiny_sharded's 332 for 331) are never sampled.
+    self._open = ok = np.arange(self.vocab_size) < tokenizer.vocab_size
+    self._all_allowed = {b: jax.device_put(batch.open_rows(b, len(ok), ok)) for b in self.decode_buckets}
     # A chunk runs at the smallest of these lengths that holds it (one program each), so the
     # short last chunk of a prompt (all that is left after a prefix-cache hit) costs its size,
     # not a whole chunk's. A request's chunks and shapes depend on its prompt alone.
@@ -377,9 +379,9 @@ class Engine:
     if decoding and not done.any():
       block = pc.store.block if pc is not None and not pc.exact else None
       call = decode_loop.run_ahead(self._rows, self._n_waiting(), block, self.max_context,
-                                   self.vocab_size, self.decode_steps)
+                                   self.vocab_size, self.decode_steps, self._open)
     asked = list(np.flatnonzero(done)) + ([] if call is not None else decoding)
-    forced, masks, failed = batch.constraints(self._rows, asked, self.vocab_size)
+    forced, masks, failed = batch.constraints(self._rows, asked, self.vocab_size, self._open)
     for i in failed:
       self._finish(i, "error")
     decoding = [i for i in decoding if i not in failed]

@@ -463,3 +463,29 @@ def test_build_engine_from_checkpoint(engine, tmp_path):
     build_engine(config, str(tmp_path / "ckpt"), model_overrides={"d_model": 64, "kernels": "xla"})
   with pytest.raises(ConfigError, match="quantization='experts'.*experiments.quantize"):
     build_engine(config, str(tmp_path / "ckpt"), model_overrides={"quantization": "experts"})
+
+
+def test_ids_past_the_tokenizer_are_never_sampled():
+  """tiny_sharded pads its vocabulary to 332 ids for a 331-token tokenizer: an unconstrained row
+  sampled id 331 now and then, and a request with an output processor then failed decoding it
+  (finish 'error'; RL dropped or mis-scored such episodes). Every mask the engine builds for a
+  free row now stops at the tokenizer's last id."""
+  from configs import serve
+  from serving import batch as batch_lib
+  config = serve.get_config("tiny_sharded")
+  config.serving.update(slots=4, max_context=160, prefill_chunk=16)
+  eng = build_engine(config)
+  n = eng.tokenizer.vocab_size
+  assert eng.vocab_size == n + 1 and not eng._open[n:].any() and eng._open[:n].all()
+  assert not np.asarray(eng._all_allowed[4])[:, n:].any()
+  rows = batch_lib.open_rows(3, eng.vocab_size, eng._open)
+  assert rows.shape == (3, n + 1) and rows[:, :n].all() and not rows[:, n:].any()
+  assert batch_lib.open_rows(2, 5, None).all()
+  # Near-uniform sampling (temperature 1000) over ~2,000 tokens: id 331 would come up ~6 times.
+  handles = [eng.submit(Request(_prompt(8, s), SamplingParams(temperature=1000.0, max_tokens=150, seed=s)))
+             for s in range(16)]
+  while not all(h.done for h in handles):
+    eng.step()
+  ids = [t for h in handles for t in _collect(h)[0]]
+  assert len(ids) > 1000 and max(ids) < n, (len(ids), max(ids))
+  eng.stop()
