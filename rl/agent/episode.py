@@ -27,6 +27,15 @@ class TurnSpan:
   finish_reason: str
 
 
+def unplayed(episode: "Episode | dict[str, Any]") -> bool:
+  """True for an episode the policy failed to play (end 'error': a server down, a rejected
+  request, an engine failure): not a sample of the policy's behaviour. Evaluation leaves it out
+  of every score and replays it on resume; RL does not train on its group. Takes an Episode or
+  its results record (a dict)."""
+  end = episode.get("end") if isinstance(episode, dict) else episode.end
+  return end == "error"
+
+
 @dataclasses.dataclass
 class Episode:
   """One task played to the end.

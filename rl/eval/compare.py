@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from rl.agent.episode import unplayed as is_unplayed
 from rl.eval import harness
 from rl.eval.report import TIER_ORDER
 
@@ -46,25 +47,17 @@ def load_run(out_dir: str | Path) -> tuple[dict[str, dict[str, Any]], dict[str, 
     raise CompareError(f"{out}: no results.jsonl; pass the --out directory of experiments.evaluate.")
   records: dict[str, dict[str, Any]] = {}
   unplayed: set[str] = set()
-  for lineno, line in enumerate(path.read_text().splitlines(), 1):
-    try:
-      r = json.loads(line) if line.strip() else None
-    except json.JSONDecodeError:
-      # A line cut by a crash, as the harness reads it: that episode is not in the run (a resume
-      # ends the cut line and appends its replay after it, so it may sit anywhere).
-      continue
-    if r is None:
-      continue
+  for lineno, r in harness.iter_results(path):
     try:
       key = r["key"]
       record = {"domain": r["domain"], "tier": r["tier"], "success": bool(r["success"])}
     except (KeyError, TypeError) as e:
       raise CompareError(f"{path}:{lineno}: not an evaluation record ({e}).") from e
-    # An episode the policy failed to play (end 'error': a server down, a rejected request) is
-    # no score; the harness replays it on resume, and the latest record of a key counts.
+    # An unplayed episode is no score; the harness replays it on resume, and the latest record
+    # of a key counts.
     records.pop(key, None)
     unplayed.discard(key)
-    if r.get("end") == "error":
+    if is_unplayed(r):
       unplayed.add(key)
     else:
       records[key] = record

@@ -16,11 +16,11 @@ import dataclasses
 import hashlib
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from rl.agent.episode import message_to_json
+from rl.agent.episode import message_to_json, unplayed
 from rl.agent.executor import Executor
 from rl.agent.loop import DEFAULT_LOOP, LoopConfig, run_episodes
 from rl.agent.policy import Policy, Sampling
@@ -53,19 +53,26 @@ def job_key(task_id: str, tier: str | None, sample: int) -> str:
   return f"{task_id}|{tier_name(tier)}|{sample}"
 
 
-def read_results(path: str | os.PathLike) -> list[dict[str, Any]]:
-  """The records of a results file (a torn last line from a crash is skipped)."""
+def iter_results(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
+  """(line number, record) of each record of a results file; none if there is no file.
+
+  A line cut by a crash is skipped: that episode is played again. A resume ends the cut line
+  and appends after it, so such a line may sit anywhere; the latest record of a key counts.
+  """
   path = Path(path)
   if not path.exists():
-    return []
-  out = []
+    return
   with open(path, encoding="utf-8") as f:
-    for line in f:
+    for lineno, line in enumerate(f, 1):
       try:
-        out.append(json.loads(line))
+        yield lineno, json.loads(line)
       except json.JSONDecodeError:
-        continue  # a line cut by a crash: that episode is played again
-  return out
+        continue
+
+
+def read_results(path: str | os.PathLike) -> list[dict[str, Any]]:
+  """The records of a results file (`iter_results`, without line numbers)."""
+  return [r for _, r in iter_results(path)]
 
 
 def _jobs(tasks, tiers, samples: int, sampling: Sampling, task_tier_wins: bool):
@@ -117,8 +124,8 @@ def evaluate(
   hashes = {t.id: task_hash(t) for t in tasks}
   recorded = read_results(results)
   _check_tasks_unchanged(recorded, wanted, hashes, results)
-  # An episode the policy failed to play (end 'error': a server down) is played again.
-  done = {r["key"] for r in recorded if "key" in r and r.get("end") != "error"}
+  # An episode the policy failed to play (a server down) is played again.
+  done = {r["key"] for r in recorded if "key" in r and not unplayed(r)}
   if signature is not None:
     check_signature(results, signature, resuming=any("key" in r for r in recorded))
   todo = [i for i, k in enumerate(keys) if k not in done]

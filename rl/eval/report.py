@@ -13,6 +13,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from rl.agent.episode import unplayed as _unplayed
 from rl.eval.stats import pass_at_k, percentile, wilson
 
 TIER_ORDER = {"off": 0, "low": 1, "high": 2, "max": 3}
@@ -26,7 +27,7 @@ def unplayed(records: Sequence[dict[str, Any]]) -> dict[str, int]:
   """Episodes the policy failed to play (end 'error': a server down, a rejected request), by
   'domain/tier': no score, so `aggregate` leaves them out; a resumed evaluation replays them."""
   return dict(sorted(collections.Counter(f"{r['domain']}/{r['tier']}" for r in records
-                                         if r.get("end") == "error").items()))
+                                         if _unplayed(r)).items()))
 
 
 def aggregate(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -34,7 +35,7 @@ def aggregate(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
   that were played (`unplayed` counts the others)."""
   groups: dict[tuple[str, str], list[dict]] = collections.defaultdict(list)
   for r in records:
-    if r.get("end") == "error":
+    if _unplayed(r):
       continue
     groups[(r["domain"], r["tier"])].append(r)
     groups[("all", r["tier"])].append(r)

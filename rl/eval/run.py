@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from rl.agent.episode import unplayed
 from rl.agent.executor import make_executor
 from rl.agent.http import make_http_policy
 from rl.agent.loop import LoopConfig
@@ -162,5 +163,5 @@ def run_evaluation(
     "plot": str(out / "success_vs_thinking.png"),
     "meta": meta,
     "not_played": not_played,  # by domain/tier: episodes the policy failed to play (replayed on resume)
-    "first_error": next((r.get("error") for r in records if r.get("end") == "error"), None),
+    "first_error": next((r.get("error") for r in records if unplayed(r)), None),
   }

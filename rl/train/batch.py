@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from rl.agent.episode import Episode
+from rl.agent.episode import Episode, unplayed
 from rl.train import objectives as obj_lib
 
 
@@ -76,7 +76,7 @@ def drop_invalid(episodes: Sequence[Episode], sources: Sequence[str]) -> tuple[l
   policy's behaviour, and a group missing one would skew its advantages."""
   groups = group_ids(episodes)
   bad = {g for g, ep in zip(groups, episodes, strict=True)
-         if ep.end == "error" or ep.grade.get("grader_failed")}
+         if unplayed(ep) or ep.grade.get("grader_failed")}
   keep = [g not in bad for g in groups]
   return ([e for e, k in zip(episodes, keep, strict=True) if k],
           [s for s, k in zip(sources, keep, strict=True) if k], len(bad))
