@@ -95,6 +95,10 @@ def check_rl_config(config) -> RLSettings:
   if rl.rollout_quantization not in ("none", "experts", "all-linear"):
     raise ValueError(f"config.rl.rollout_quantization={rl.rollout_quantization!r}: choose none, "
                      "experts (routed experts in MXFP4) or all-linear.")
+  if int(rl.pad_multiple) > int(config.serving.max_context):
+    raise ValueError(f"config.rl.pad_multiple={rl.pad_multiple} is above config.serving.max_context="
+                     f"{config.serving.max_context}, the longest an episode can be: every row would be "
+                     "padded past it. Use a divisor of max_context (the preset's is 128).")
   mixture = parse_mixture(rl.mixture)
   levels = parse_levels(rl.difficulty, list(mixture))
   eval_tiers = parse_tiers(rl.eval_tiers, "config.rl.eval_tiers")

@@ -23,7 +23,10 @@ def test_values_that_failed_after_the_build_name_their_field():
   mixture with eval_every > 0 evaluated nothing, silently."""
   settings = check_rl_config(_config())
   assert settings.mixture == {"math": 1.0} and settings.levels == {"math": 0}
-  for rl, says in (({"eval_tiers": "hgh"}, "config.rl.eval_tiers"), ({"seed": -1}, "config.rl.seed")):
+  # pad_multiple had no upper bound: every row was padded past the longest possible episode.
+  too_wide = {"pad_multiple": _config().serving.max_context + 1}
+  for rl, says in (({"eval_tiers": "hgh"}, "config.rl.eval_tiers"), ({"seed": -1}, "config.rl.seed"),
+                   (too_wide, "config.rl.pad_multiple=.* above config.serving.max_context")):
     with pytest.raises(ValueError, match=says):
       check_rl_config(_config(**rl))
 
