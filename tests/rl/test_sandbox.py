@@ -105,6 +105,38 @@ def test_writes_outside_the_task_dir_fail(sandbox, task_dir):
   _still_works(sandbox, task_dir)
 
 
+_TAMPER = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+parent = os.getppid()
+class IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+buf = ctypes.create_string_buffer(8)
+vec = IoVec(ctypes.addressof(buf), 8)
+for name, call in (("attach", lambda: libc.ptrace(16, parent, None, None)),
+                   ("seize", lambda: libc.ptrace(0x4206, parent, None, None)),
+                   ("vm_writev", lambda: libc.process_vm_writev(parent, ctypes.byref(vec), 1,
+                                                                ctypes.byref(vec), 1, 0))):
+    print(name, "ok" if call() >= 0 else "refused")
+try:
+    open(f"/proc/{parent}/mem", "rb+")
+    print("mem ok")
+except OSError:
+    print("mem refused")
+"""
+
+
+def test_a_command_cannot_tamper_with_its_parent(sandbox, task_dir):
+  """The code tasks' checker starts the agent's code as its child (code_checker.py): that child
+  must not be able to rewrite the checker's memory. ptrace and process_vm_writev are refused by
+  the seccomp policy and /proc is read-only, whatever the host's Yama setting."""
+  (task_dir / "tamper.py").write_text(_TAMPER)
+  result = sandbox.run("python3 -c 'import subprocess, sys; "
+                       "subprocess.run([sys.executable, \"tamper.py\"])'", task_dir)
+  assert result.stdout.split("\n")[:4] == ["attach refused", "seize refused", "vm_writev refused",
+                                           "mem refused"], result.stdout + result.stderr
+
+
 def test_fork_bomb_is_contained(sandbox, task_dir):
   start = time.monotonic()
   result = sandbox.run(":(){ :|:& };:", task_dir, timeout_s=4)

@@ -22,9 +22,11 @@ comparisons (numbers, strings, bytes, None, and lists, tuples, sets and dicts of
 it prints the task's pass marker last; the runner cannot change the checker's exit code, and
 ending the runner early ends its answers, which fails the check.
 
-What stays possible: a solution that returns the expected values by looking them up (the visible
-tests hold them), as with any test-based grade; and, in a sandbox without a Yama ptrace policy,
-a runner that ptraces its parent.
+The runner cannot reach into the checker either: the sandbox's seccomp policy refuses ptrace and
+process_vm_writev and its /proc is read-only, whatever the host's Yama setting
+(tests/rl/test_sandbox.py: test_a_command_cannot_tamper_with_its_parent). What stays possible:
+a solution that returns the expected values by looking them up (the visible tests hold them), as
+with any test-based grade.
 """
 
 from __future__ import annotations
