@@ -3,8 +3,8 @@
 It has the interface of the training loop's batch sources (training/batches.py): `start`,
 `batch(step)`, `get_state` / `set_state`, `summary`; `training.loop.run(..., batches=...)`
 runs it with the one training loop (checkpoints, resume, metrics, NaN policy). Rows are
-addressed by (seed, step, row), so resuming needs no iterator state and every process builds
-the same global batch.
+addressed by (seed, step, row), so resuming needs no iterator state; with several processes every
+one takes process 0's rows, so they build the same global batch.
 
 Oracle conversations are played through the agent loop with the real environments (so tool
 results are what the tools return), at the tier whose thinking budget holds the oracle's
@@ -36,6 +36,7 @@ from rl.envs.base import EnvContext
 from rl.sft import checks
 from rl.sft import data as sft
 from rl.tasks import generators
+from rl.train.multiprocess import gather_objects
 from serving.chat import ChatRenderer
 from training import byte_corpus
 
@@ -153,6 +154,11 @@ class SFTBatches:
     order = np.random.default_rng(self.seed).permutation(len(examples))
     self.stats = sft.PackStats()
     self.rows = list(sft.pack((examples[i] for i in order), tc.seq_len, self.stats))
+    if jax.process_count() > 1:
+      # Tool results can differ between processes (a test runner's timings: "in 0.012s" is a token
+      # longer than "in 0.001s"), and then so would the packing: every process trains on process
+      # 0's rows, so they all build one global batch.
+      self.rows = gather_objects(self.rows if jax.process_index() == 0 else [])[0]
     if not self.rows:
       raise ValueError("config.sft gave no training rows: set sft.domains and/or sft.chat_files "
                        f"(counts: {self.counts}, dropped as longer than seq_len={tc.seq_len}: "

@@ -110,6 +110,26 @@ def test_tier_off_plays_and_renders_thinking_off(tiny):
   assert 0 < summary["sft_tiers"]["off"] < 6
 
 
+def test_every_process_trains_on_process_0s_rows(tiny, monkeypatch):
+  """The code oracle's tool results carry unittest's run time, which tokenizes to different
+  lengths on different processes, and each process packed its own rows: a multi-process SFT's
+  processes built different global batches. Process 1 now takes process 0's rows."""
+  import jax
+  mine = _build(tiny[0], tiny).rows
+  sent = []
+
+  def gather(objs):  # what process 0 sent, then this process's own (empty) list
+    sent.append(objs)
+    return [mine[::-1], list(objs)]
+
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(jax, "process_index", lambda: 1)
+  monkeypatch.setattr(source, "gather_objects", gather)
+  rows = _build(tiny[0], tiny).rows
+  assert sent == [[]] and len(rows) == len(mine) > 1
+  assert all((a[k] == b[k]).all() for a, b in zip(rows, mine[::-1], strict=True) for k in a)
+
+
 def _checkpoint(run_dir, config, data_state, step=2):
   from flax import nnx
 
