@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 import secrets
 from collections.abc import Sequence
@@ -151,10 +152,19 @@ def _reject_constant(name: str):
   raise ValueError(f"{name} is not JSON")
 
 
+def _finite_float(text: str) -> float:
+  """A JSON number as a float; one too large for a double (1e999) is refused: json.loads would
+  make it inf, which json.dumps writes as `Infinity` (not JSON) and strict encoders refuse."""
+  value = float(text)
+  if not math.isfinite(value):
+    raise ValueError(f"the number {text[:40]} is out of a double's range")
+  return value
+
+
 def parse_tool_call(raw: str, tools: dict[str, Tool]) -> tuple[str, str]:
   """The (name, arguments JSON text) of a tool call's content; ValueError says what is wrong."""
   try:
-    obj = json.loads(raw, parse_constant=_reject_constant)
+    obj = json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
   except (ValueError, RecursionError) as e:
     raise ValueError(f"not valid JSON ({str(e)[:100]})") from None
   if not isinstance(obj, dict) or set(obj) != {"name", "arguments"}:
@@ -164,7 +174,7 @@ def parse_tool_call(raw: str, tools: dict[str, Tool]) -> tuple[str, str]:
     raise ValueError(f"unknown tool {name!r} (tools: {sorted(tools)[:10]})")
   if isinstance(args, str):
     try:
-      args = json.loads(args, parse_constant=_reject_constant)
+      args = json.loads(args, parse_constant=_reject_constant, parse_float=_finite_float)
     except (ValueError, RecursionError) as e:
       raise ValueError(f"'arguments' is a string but not JSON ({str(e)[:100]})") from None
   if not isinstance(args, dict):
@@ -256,9 +266,13 @@ class OutputProcessor:
 
     The engine ends on a stop token (end of turn / EOS) itself without feeding
     it here, and reports 'stop'; a turn that made >= 1 valid tool call (and
-    was not cut by a stop string) finished with 'tool_calls'.
+    was not cut by a stop string) finished with 'tool_calls'. Text cut at a stop string finished
+    with 'stop', also when the string completed only in what `close` flushed (an unclosed call's
+    text at 'length'), so the reason agrees with `stop_sequence`.
     """
-    if reason == "stop" and self.tool_calls and self.stop_sequence is None:
+    if self.stop_sequence is not None and reason in ("stop", "length"):
+      return "stop"
+    if reason == "stop" and self.tool_calls:
       return "tool_calls"
     return reason
 

@@ -199,6 +199,8 @@ def test_tool_calls_parsed(tok):
     ('{"name": "add", "arguments": "{oops"}', "is a string but not JSON"),
     ('{"name": "add"}', "exactly the keys"),
     ('{"name": "add", "arguments": {"a": NaN}}', "not valid JSON"),
+    ('{"name": "add", "arguments": {"a": 1e999}}', "out of a double's range"),
+    ('{"name": "add", "arguments": "{\\"a\\": -1e400}"}', "out of a double's range"),
     ("[" * 5000, "not valid JSON"),
 ])
 def test_malformed_call_becomes_text(tok, caplog, payload, why):
@@ -242,6 +244,15 @@ def test_stop_string_inside_malformed_call_text(tok):
   proc = OutputProcessor(tok, thinking=False, thinking_budget=None, tools=TOOLS, stop=["END"])
   deltas, reason, _ = run(proc, _call_ids(tok, "junk END more") + enc(tok, "tail"))
   assert reason == "stop" and proc.text == "junk " and proc.stop_sequence == "END"
+
+
+def test_stop_string_completed_at_close_finishes_stop(tok):
+  """An unclosed call cut by max_tokens becomes text at close; a stop string in it cuts it, and the
+  finish reason says so (it said 'length' next to a stop_sequence: Anthropic's max_tokens + "END")."""
+  proc = OutputProcessor(tok, thinking=False, thinking_budget=None, tools=TOOLS, stop=["END"])
+  deltas, reason, _ = run(proc, enc(tok, "Hi ") + [sp(tok, "tool_call")] + enc(tok, '{"name": "END'))
+  assert reason is None and proc.text == 'Hi {"name": "' and proc.stop_sequence == "END"
+  assert proc.finish_reason("length") == "stop" and proc.finish_reason("error") == "error"
 
 
 def test_one_call_per_turn_when_parallel_calls_are_off(tok):
