@@ -230,6 +230,9 @@ def _user_turn(turn: _Turn, pending: dict[str, str], decode: ImageDecoder) -> li
       if call_id not in pending:
         _fail(path, f"unexpected `tool_use_id` found in `tool_result` blocks: {call_id}. Each "
               "`tool_result` block must have a corresponding `tool_use` block in the previous message.")
+      if call_id in answered:
+        _fail(_join(path, "tool_use_id"), f"`tool_use` id {call_id} is answered by an earlier `tool_result` "
+              "block of this message; send one `tool_result` per `tool_use` (merge the results' content)")
       answered.add(call_id)
       out.append(Message(role="tool", content=[TextPart(text)], tool_call_id=call_id, name=pending[call_id]))
       moved_images.extend(images)

@@ -27,7 +27,8 @@ Translation (https://platform.openai.com/docs/api-reference/chat/create):
   * assistant: content (string / text or refusal parts), `reasoning_content`
     or `reasoning` (both spellings in use by OpenAI-compatible servers; the
     thinking is rendered back, history retention), `tool_calls`;
-  * tool: content + `tool_call_id` (the renderer names the tool from the call).
+  * tool: content + `tool_call_id` (the renderer names the tool from the call); as on OpenAI,
+    the tool messages right after an assistant message answer each of its calls exactly once.
   * structured outputs (serving/constrained.py): `response_format` json_object /
     json_schema constrains the answer to one JSON document, `function.strict` every
     call to that tool; schemas that cannot compile are 400s naming the field.
@@ -326,8 +327,30 @@ def _user_parts(content, where: str, decode: ImageDecoder) -> list[Part]:
   return out
 
 
+def _check_answered(msgs: list[ChatMessage]) -> None:
+  """As OpenAI: an assistant message's tool calls are answered by the tool messages right after it,
+  each call exactly once (unknown ids are the renderer's 400)."""
+  unanswered: list[str] = []
+  answered: set[str] = set()
+  for i, m in enumerate(msgs):
+    if m.role == "tool":
+      if m.tool_call_id and m.tool_call_id in answered:
+        raise APIError(400, f"messages[{i}].tool_call_id: {m.tool_call_id!r} was already answered by an "
+                       "earlier tool message; send one tool message per tool call.",
+                       param=f"messages[{i}].tool_call_id")
+      answered.add(m.tool_call_id)
+      unanswered = [c for c in unanswered if c != m.tool_call_id]
+      continue
+    if unanswered:
+      raise APIError(400, f"messages[{i}]: an assistant message with 'tool_calls' must be followed by tool "
+                     "messages responding to each 'tool_call_id'. The following tool_call_ids did not "
+                     f"have response messages: {', '.join(unanswered)}.", param=f"messages[{i}]")
+    unanswered = [c.id for c in m.tool_calls or []] if m.role == "assistant" else []
+
+
 def convert_messages(msgs: list[ChatMessage], decode: ImageDecoder) -> list[Message]:
   """OpenAI messages -> serving.types.Message, one to one (indices match for error params)."""
+  _check_answered(msgs)
   out = []
   for i, m in enumerate(msgs):
     where = f"messages[{i}]"

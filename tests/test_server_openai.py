@@ -20,6 +20,8 @@ import pytest
 from PIL import Image
 
 from serving.chat import ChatRenderer
+from serving.errors import APIError
+from serving.openai_request import ChatMessage, convert_messages
 from serving.types import Message, TextPart, Tool, ToolCall
 
 KEY = "test-key"
@@ -320,6 +322,27 @@ def test_errors_name_the_param(client, kw, param):
   err = _error(e)
   assert e.value.status_code == 400 and err["type"] == "invalid_request_error" and err["param"] == param
   assert err["message"]
+
+
+def _call_msgs(*results, then=()):
+  calls = [{"id": c, "type": "function", "function": {"name": "f", "arguments": "{}"}} for c in ("c1", "c2")]
+  msgs = [*_user("hi"), {"role": "assistant", "content": None, "tool_calls": calls},
+          *({"role": "tool", "tool_call_id": c, "content": "r"} for c in results), *then]
+  return [ChatMessage(**m) for m in msgs]
+
+
+@pytest.mark.parametrize("msgs, param, needle", [
+    (_call_msgs("c1", then=_user("next")), "messages[3]", "did not have response messages: c2"),
+    (_call_msgs("c1", "c2", "c1"), "messages[4].tool_call_id", "'c1' was already answered"),
+])
+def test_each_tool_call_is_answered_once(msgs, param, needle):
+  """As on OpenAI: a call left unanswered, or answered twice, is a 400 (the model would otherwise see a
+  call without its result, or two results for one call)."""
+  with pytest.raises(APIError) as e:
+    convert_messages(msgs, None)
+  assert e.value.status == 400 and e.value.param == param and needle in e.value.message
+  assert [m.role for m in convert_messages(_call_msgs("c2", "c1", then=_user("ok")), None)] == [
+      "user", "assistant", "tool", "tool", "user"]
 
 
 def test_unknown_model_is_404_missing_model_is_400(client, server_url):
