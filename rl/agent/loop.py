@@ -3,8 +3,9 @@
 Used by RL rollouts, SFT data generation and evaluation alike. An episode ends when the
 assistant answers without a tool call, at the task's `max_turns` (assistant messages), or
 when the context is full (the token limit). Tool failures are tool results, never
-exceptions; a policy failure (an HTTP error, an engine error) ends only its own episode, with
-`end='error'` and the reason, and is graded like any other end state.
+exceptions; a policy failure (an HTTP error, an engine error) or an environment that fails
+while running tool calls (a dead Ray actor) ends only its own episode, with `end='error'` and
+the reason, and is graded like any other end state.
 """
 
 from __future__ import annotations
@@ -88,7 +89,12 @@ async def _play(task: Task, session, env, messages: list[Message], ep: Episode, 
       return
     if turn == max_turns - 1:
       return  # max_turns: the calls of the last allowed turn are not executed
-    results = await _run_tools(env, comp.message.tool_calls, ep)
+    try:
+      results = await _run_tools(env, comp.message.tool_calls, ep)
+    except Exception as e:  # the environment itself failed (e.g. its Ray actor died): this episode only
+      _log.warning("task %s: the environment failed running tool calls on turn %d: %s", task.id, turn, e)
+      ep.end, ep.error = "error", f"environment failed: {type(e).__name__}: {e}"
+      return
     session.append(messages, results)
     messages += results
     remaining = session.remaining_tokens()
@@ -146,7 +152,10 @@ async def run_episode(
   finally:
     if session is not None:
       session.close()
-    await env.close()
+    try:
+      await env.close()
+    except Exception:  # e.g. the actor of a failed environment is gone; the episode's result stands
+      _log.exception("closing the environment of task %s failed", task.id)
   ep.wall_s = time.monotonic() - start
   return ep
 

@@ -136,6 +136,30 @@ def test_policy_failure_ends_only_its_episode():
   assert eps[1].end == "error" and "endpoint down" in eps[1].error and not eps[1].success
 
 
+def test_environment_failure_ends_only_its_episode(caplog):
+  """An environment failing under a tool call (a Ray actor that died) ended the whole run before."""
+
+  class Dying(EchoExecutor):
+    async def open(self, task):
+      handle = await super().open(task)
+      if task.id == "dies":
+
+        async def fail(*a):
+          raise RuntimeError("the actor died unexpectedly")
+
+        handle.execute = handle.close = fail
+      return handle
+
+  tasks = [_task("good"), _task("dies")]
+  turns = [_turn(calls=[("echo", {"text": "hi"})]), _turn("<answer>done</answer>")]
+  policy = OraclePolicy({t.id: turns for t in tasks})
+  eps = asyncio.run(run_episodes([(t, None, Sampling()) for t in tasks], policy, Dying()))
+  assert eps[0].success and eps[0].end == "answer" and eps[0].tool_calls == 1
+  assert eps[1].end == "error" and "environment failed: RuntimeError: the actor died" in eps[1].error
+  assert not eps[1].success and [m.role for m in eps[1].messages] == ["user", "assistant"]
+  assert "closing the environment of task dies failed" in caplog.text
+
+
 def test_grader_failure_scores_only_its_episode_0(caplog):
   """An answer that crashed the grader (e.g. thousands of digits) ended the whole run before."""
   tasks = [_task("good"), _task("crashes")]
