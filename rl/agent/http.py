@@ -10,6 +10,11 @@ conversation, thinking included, the way each API expects it back:
 Token ids are not available over these APIs, so sessions are not token-level; the thinking
 token count comes from OpenAI's `reasoning_tokens`, or for Anthropic (whose usage has no
 such field) from `count_tokens` when the caller supplies one.
+
+Near the end of the context a turn asks for less, as the engine policy clamps a turn to the
+context left: when the endpoint refuses the turn's token limit as past its context (a 400), the
+turn is asked again with the room the error names (ours, OpenAI's and Anthropic's wordings), or
+else half the limit; when not one token fits, the turn ends 'length' with nothing generated.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -34,6 +40,43 @@ _RETRY_STATUS = (408, 409, 429, 500, 502, 503, 504, 529)
 
 class EndpointError(RuntimeError):
   """The endpoint refused or failed a request (after retries)."""
+
+
+class ContextFull(EndpointError):
+  """The endpoint refused a turn whose prompt plus token limit is past its context (a 400); `room`
+  is the largest limit the error names, when it names one (negative: the prompt alone is too long)."""
+
+  def __init__(self, message: str, room: int | None):
+    super().__init__(message)
+    self.room = room
+
+
+# How servers say a request is past the context, and the room it leaves: ours ("... exceeds the
+# context of 256 tokens; ... at most 61"), OpenAI's ("maximum context length is C tokens. However,
+# you requested T tokens (P in the messages, ..."), Anthropic's ("... exceed context limit: P + M > C").
+_CONTEXT_WORDS = re.compile(r"context (length|limit|window|of)|exceeds? (the )?context", re.IGNORECASE)
+_ROOM = (
+  (re.compile(r"at most (\d+)"), lambda m: int(m[1])),
+  (re.compile(r"context length is (\d+) tokens.*?\((\d+) in the messages", re.DOTALL),
+   lambda m: int(m[1]) - int(m[2])),
+  (re.compile(r"(\d+) \+ (\d+) > (\d+)"), lambda m: int(m[3]) - int(m[1])),
+)
+
+
+def context_full(status: int, text: str) -> ContextFull | None:
+  """The error a 400 response means when it says the request is past the context, else None."""
+  if status != 400:
+    return None
+  try:
+    err = json.loads(text).get("error")
+  except (ValueError, AttributeError):
+    err = None
+  err = err if isinstance(err, dict) else {}
+  message = str(err.get("message", text))
+  if err.get("code") != "context_length_exceeded" and not _CONTEXT_WORDS.search(message):
+    return None
+  room = next((get(m) for pattern, get in _ROOM if (m := pattern.search(message))), None)
+  return ContextFull(f"the endpoint answered 400: {message[:300]}", room)
 
 
 def _text(m: Message) -> str:
@@ -89,11 +132,31 @@ class HTTPPolicy(Policy):
       else:
         if r.status_code == 200:
           return r.json()
+        full = context_full(r.status_code, r.text)
+        if full is not None:
+          raise full
         if r.status_code not in _RETRY_STATUS or attempt == self.retries:
           raise EndpointError(f"{self.base_url}{path} answered {r.status_code}: {r.text[:500]}")
       await asyncio.sleep(delay)
       delay *= 2
     raise AssertionError("unreachable")
+
+  async def post_turn(self, path: str, body: dict[str, Any], headers: dict[str, str], key: str,
+                      limited: Callable[[dict[str, Any], int], dict[str, Any] | None] | None = None):
+    """`post` for one turn; past the context, asks again with a smaller body[key] (the turn's token
+    limit; module docstring). Returns None when the context is full.
+
+    limited(body, n): the body with limit n, or None when n tokens cannot make a turn (default:
+    body[key] = n).
+    """
+    while True:
+      try:
+        return await self.post(path, body, headers)
+      except ContextFull as e:
+        n = e.room if e.room is not None and e.room < body[key] else body[key] // 2
+        body = (limited(body, n) if limited else {**body, key: n}) if n >= 1 else None
+        if body is None:
+          return None
 
 
 class OpenAIPolicy(HTTPPolicy):
@@ -151,7 +214,9 @@ class _OpenAISession(Session):
     if self.tools:
       body["tools"] = self.tools
     headers = {"Authorization": f"Bearer {p.api_key}"} if p.api_key else {}
-    data = await p.post("/v1/chat/completions", body, headers)
+    data = await p.post_turn("/v1/chat/completions", body, headers, "max_completion_tokens")
+    if data is None:
+      return _full_context_turn()
     choice = data["choices"][0]
     msg = choice["message"]
     thinking = msg.get("reasoning_content") or msg.get("reasoning")
@@ -192,6 +257,22 @@ _STOP = {
   "refusal": "stop",
   "pause_turn": "stop",
 }
+
+
+def _full_context_turn() -> Completion:
+  """The turn of a full context: nothing generated, ended at the token limit."""
+  return Completion(Message("assistant", [TextPart("")]), "length")
+
+
+def _anthropic_limited(body: dict[str, Any], n: int) -> dict[str, Any] | None:
+  """An Anthropic body with max_tokens n (its thinking budget below it), or None without room."""
+  thinking = body.get("thinking") or {}
+  if thinking.get("type") != "enabled":
+    return {**body, "max_tokens": n}
+  if n < 2:
+    return None  # a thinking turn needs budget_tokens >= 1 below max_tokens
+  budget = min(thinking["budget_tokens"], n - 1)
+  return {**body, "max_tokens": n, "thinking": {**thinking, "budget_tokens": budget}}
 
 
 class _AnthropicSession(Session):
@@ -253,7 +334,9 @@ class _AnthropicSession(Session):
     headers = {"anthropic-version": "2023-06-01"}
     if p.api_key:
       headers["x-api-key"] = p.api_key
-    data = await p.post("/v1/messages", body, headers)
+    data = await p.post_turn("/v1/messages", body, headers, "max_tokens", _anthropic_limited)
+    if data is None:
+      return _full_context_turn()
     blocks = data.get("content") or []
     thinking = "".join(b.get("thinking", "") for b in blocks if b.get("type") == "thinking")
     text = "".join(b.get("text", "") for b in blocks if b.get("type") == "text")

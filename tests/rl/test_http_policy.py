@@ -65,6 +65,47 @@ def test_endpoint_errors_end_the_episode_not_the_run(server_url, serve_config):
   assert issubclass(EndpointError, RuntimeError)
 
 
+@pytest.mark.parametrize("cls", [OpenAIPolicy, AnthropicPolicy])
+def test_a_turn_near_the_end_of_the_context_asks_for_less(cls, engine_policy, server_url, serve_config):
+  """The engine policy clamps a turn's limit to the context left; the HTTP policies sent the full
+  limit, got a 400 and recorded the episode as an error (which evaluation and RL then leave out)."""
+  long = [parse_task({"id": "long", "domain": "math", "prompt": "1 + " * 48 + "1 =", "answer": "49"})]
+  sampling = Sampling(temperature=0.0, max_tokens_per_turn=200)
+  jobs = [(t, tier, sampling) for t in long for tier in (None, "low")]
+  policy = cls(server_url, serve_config.serving.model_name, "test-key",
+               thinking_budgets=dict(serve_config.serving.thinking_budgets))
+  executor = ThreadExecutor(workers=2)
+  try:
+    want = asyncio.run(run_episodes(jobs, engine_policy, executor))
+    got = asyncio.run(run_episodes(jobs, policy, executor))
+  finally:
+    executor.shutdown()
+  for a, b in zip(want, got, strict=True):
+    # the context (256 tokens), not the turn's limit, ended it
+    assert 24 < len(a.token_ids) - a.turns[0].gen_start < 200 and a.end == "length"
+    assert b.error is None and (b.end, b.final_text(), b.messages[-1].thinking) == (
+        a.end, a.final_text(), a.messages[-1].thinking)
+
+
+def test_context_errors_are_read_in_each_servers_wording():
+  import json
+
+  from rl.agent.http import context_full
+
+  def openai_error(message):
+    return json.dumps({"error": {"message": message, "code": "context_length_exceeded"}})
+
+  ours = openai_error("max_completion_tokens=200 plus the prompt's 195 tokens exceeds this model's "
+                      "context of 256 tokens; ask for at most 61.")
+  openai = openai_error("This model's maximum context length is 8192 tokens. However, you requested 9000 "
+                        "tokens (7000 in the messages, 2000 in the completion).")
+  anthropic = json.dumps({"type": "error", "error": {"type": "invalid_request_error", "message": (
+      "input length and `max_tokens` exceed context limit: 197000 + 8192 > 200000, decrease input length")}})
+  assert [context_full(400, t).room for t in (ours, openai, anthropic)] == [61, 1192, 3000]
+  assert context_full(400, '{"error": {"message": "temperature must be >= 0"}}') is None
+  assert context_full(429, ours) is None and context_full(400, "not json") is None
+
+
 def test_openai_messages_keep_thinking_and_calls():
   call = ToolCall("call_1", "shell", '{"command": "ls"}')
   msgs = [Message("user", [TextPart("q")]),
