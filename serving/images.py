@@ -86,9 +86,11 @@ def decode_image(source: str | bytes, image_size: int, channels: int = 3, *, max
   """Decodes and resizes one image for the vision encoder.
 
   The image is converted to RGB (channels=3) or grayscale (channels=1);
-  transparent pixels are composited onto white first (a transparent PNG
-  logo should not turn black). It is then resized to image_size x image_size
-  with bicubic interpolation (Pillow `Image.BICUBIC`), without keeping the
+  transparent pixels (an alpha channel, or a palette, grey or RGB colour
+  marked transparent) are composited onto white first (a transparent PNG
+  logo should not turn black), and an EXIF orientation is applied (a phone
+  photo is seen upright, as a browser shows it). It is then resized to
+  image_size x image_size with bicubic interpolation (Pillow `Image.BICUBIC`), without keeping the
   aspect ratio -- the encoder was trained on square images of that size.
   Animated GIF/WebP: the first frame.
 
@@ -131,13 +133,36 @@ def decode_image(source: str | bytes, image_size: int, channels: int = 3, *, max
     with warnings.catch_warnings():
       warnings.simplefilter("ignore", Image.DecompressionBombWarning)
       img.load()
+      turn = _orientation(img)
       img = _flatten(img, _MODES[channels])
+      if turn is not None:
+        img = img.transpose(turn)
       img = img.resize((image_size, image_size), Image.BICUBIC)
   except Exception as e:  # truncated or corrupt pixel data
     raise ValueError(f"image {img.format or ''} {w}x{h} could not be decoded ({type(e).__name__}: "
                      f"{e}); the file may be truncated or corrupt.") from None
   arr = np.asarray(img, dtype=np.float32) / 255.0
   return arr.reshape(image_size, image_size, channels)
+
+
+def _orientation(img: Image.Image) -> Image.Transpose | None:
+  """The transpose that shows the image upright per its EXIF orientation tag (None: none or unreadable).
+
+  Read after `load()`: a PNG's eXIf chunk may follow its pixel data. Malformed EXIF is ignored, as
+  viewers do, rather than refusing an image whose pixels decoded.
+  """
+  try:
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore", UserWarning)  # "Corrupt EXIF data": the client's file, not ours
+      tag = img.getexif().get(0x0112)  # ExifTags.Base.Orientation
+  except Exception:  # Pillow's EXIF parser raises many kinds on bad data
+    return None
+  return _TRANSPOSE.get(tag) if isinstance(tag, int) else None
+
+
+_TRANSPOSE = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180,
+              4: Image.Transpose.FLIP_TOP_BOTTOM, 5: Image.Transpose.TRANSPOSE,
+              6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE, 8: Image.Transpose.ROTATE_90}
 
 
 def _flatten(img: Image.Image, mode: str) -> Image.Image:
@@ -149,7 +174,9 @@ def _flatten(img: Image.Image, mode: str) -> Image.Image:
   if img.mode.startswith("I"):
     grey = np.rint(np.asarray(img, dtype=np.float64) / 257.0)
     img = Image.fromarray(np.clip(grey, 0, 255).astype(np.uint8), "L")
-  if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
+  # A palette, grey or RGB image may mark one index / level / colour transparent (PNG tRNS, GIF):
+  # convert("RGBA") turns that into alpha; converting straight to RGB or L would drop it.
+  if img.mode in ("RGBA", "LA", "PA") or img.info.get("transparency") is not None:
     rgba = img.convert("RGBA")
     white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
     img = Image.alpha_composite(white, rgba)

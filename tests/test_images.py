@@ -136,3 +136,38 @@ def test_huge_image_rejected_before_decoding():
   bomb = _encode(Image.new("1", (20000, 10000)), "PNG")  # past Pillow's own bomb limit
   with pytest.raises(ValueError, match="larger than 64 megapixels"):
     decode_image(bomb, SIZE)
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG", "WEBP"])
+def test_exif_orientation_is_applied(fmt, orientation):
+  """A phone photo stored sideways with an EXIF Orientation tag is seen upright (as viewers show it)."""
+  from PIL import ImageOps
+  img = _picture(12, 6, seed=4)
+  exif = img.getexif()
+  exif[0x0112] = orientation
+  kw = {"quality": 95} if fmt == "JPEG" else {"lossless": True} if fmt == "WEBP" else {}
+  data = _encode(img, fmt, exif=exif.tobytes(), **kw)
+  upright = ImageOps.exif_transpose(Image.open(io.BytesIO(data)))
+  assert upright.size == ((6, 12) if orientation >= 5 else (12, 6))
+  np.testing.assert_array_equal(decode_image(data, SIZE), _reference(upright))
+
+
+@pytest.mark.filterwarnings("ignore:Corrupt EXIF data")  # Pillow's, from Image.open
+def test_malformed_exif_is_ignored():
+  data = _encode(_picture(), "JPEG", exif=b"Exif\x00\x00MM\x00*\x00\x00\x00\x08\xff\xff")
+  assert decode_image(data, SIZE).shape == (SIZE, SIZE, 3)
+
+
+@pytest.mark.parametrize("mode, colour", [("RGB", (0, 0, 0)), ("L", 0)])
+def test_transparent_colour_key_becomes_white(mode, colour):
+  """PNG tRNS on an RGB or grey image marks one colour transparent; like alpha, it shows white."""
+  img = Image.new(mode, (6, 5), colour)
+  img.paste((255, 0, 0) if mode == "RGB" else 200, (0, 0, 3, 5))  # left half opaque
+  data = _encode(img, "PNG", transparency=colour)
+  got = decode_image(data, 6)
+  rgba = Image.open(io.BytesIO(data)).convert("RGBA")
+  assert rgba.getpixel((5, 0))[3] == 0  # Pillow reads the key as alpha 0
+  want = Image.alpha_composite(Image.new("RGBA", (6, 5), (255,) * 4), rgba)
+  np.testing.assert_array_equal(got, _reference(want, 6))
+  assert got[:, -1].min() == 1.0  # the transparent right edge is white, not black

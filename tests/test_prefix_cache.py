@@ -118,6 +118,29 @@ def test_images_are_part_of_the_key(engines):
   assert _reused(on) - before >= 32  # the same image: the blocks with its placeholders are reused
 
 
+def test_every_image_and_their_order_are_part_of_the_key(engines):
+  """Two images in one prompt: changing only the second, or swapping the two, reuses nothing past
+  the first placeholder that shows another image; the same pair again reuses the whole prompt."""
+  on, off = engines
+  cfg = on.cfg
+  n_patch, img = cfg.vision.num_patches, cfg.image_token_id
+  prompt = _prompt(5, 21) + [img] * n_patch + _prompt(40, 22) + [img] * n_patch + _prompt(50, 23)
+  second = 5 + n_patch + 40  # the second image's first placeholder
+  rng = np.random.default_rng(9)
+  a, b, c = (rng.uniform(size=(16, 16, 3)).astype(np.float32) for _ in range(3))
+  outputs = {}
+  for name, pair, most in (("ab", (a, b), 0), ("ac", (a, c), second), ("ba", (b, a), 0),
+                           ("ab again", (a, b), len(prompt))):
+    before = _reused(on)
+    got = on.generate(Request(prompt, _greedy(12), np.stack(pair)))[0]
+    reused = _reused(on) - before
+    assert got == off.generate(Request(prompt, _greedy(12), np.stack(pair)))[0], name
+    assert reused <= most, (name, reused)
+    outputs[name] = got
+  assert reused >= 64  # "ab again": its blocks, both images included, came from the first "ab"
+  assert len({tuple(outputs[k]) for k in ("ab", "ac", "ba")}) == 3  # the images matter
+
+
 def test_concurrent_requests_sharing_a_prefix(engines):
   on, off = engines
   shared = _prompt(70, 6)
