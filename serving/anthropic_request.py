@@ -434,6 +434,17 @@ def convert_thinking(req: CountTokensRequest, serving: Any, max_tokens: int | No
   return ThinkingSettings(True, budget, tier, thinking.display)
 
 
+def _image_blocks(messages: list[InputMessage]) -> int:
+  """Image blocks in the messages, tool results' included: counted against max_images before any
+  is decoded (a 16 MB body holds dozens of large images, seconds of decoding each)."""
+  n = 0
+  for m in messages:
+    for b in m.content:
+      inner = (b.content or ()) if isinstance(b, ToolResultBlock) else (b,)
+      n += sum(isinstance(x, ImageBlock) for x in inner)
+  return n
+
+
 def parse_request(body: Any, *, serving: Any, key: bytes, decode_image: ImageDecoder,
                   count_only: bool = False) -> ParsedRequest:
   """Validates and translates a Messages request (count_only: the count_tokens body, no max_tokens).
@@ -457,11 +468,11 @@ def parse_request(body: Any, *, serving: Any, key: bytes, decode_image: ImageDec
     raise InvalidRequest(validation_message(e.errors(include_url=False), anthropic=True)[0]) from None
   max_tokens = None if count_only else req.max_tokens
   thinking = convert_thinking(req, serving, max_tokens)
-  messages, trigger = convert_messages(req.messages, key=key, decode_image=decode_image, thinking=thinking.on)
-  n_images = sum(isinstance(p, ImagePart) for m in messages for p in m.content)
+  n_images = _image_blocks(req.messages)
   if n_images > serving.max_images:
     _fail("messages", f"too many images: {n_images} > {serving.max_images} per request "
           "(config.serving.max_images)")
+  messages, trigger = convert_messages(req.messages, key=key, decode_image=decode_image, thinking=thinking.on)
   system = convert_system(req.system)
   tools = convert_tools(req.tools, serving.max_tools)
   choice = convert_tool_choice(req.tool_choice, tools)

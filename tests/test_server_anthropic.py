@@ -95,6 +95,25 @@ def _body(messages, **kw):
   return {"model": MODEL, "max_tokens": 32, "messages": messages, **kw}
 
 
+def test_images_past_the_limit_are_refused_before_any_is_decoded(serve_config):
+  """The count came after every image was decoded: a body of dozens of large images held a worker
+  for minutes before its 400. Images inside tool results count too."""
+  image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": _png(5, 3, 1)}}
+  limit = serve_config.serving.max_images
+  tool_turn = [{"role": "user", "content": "x"},
+               {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [image]}]
+                + [image] * limit}]
+  decoded = []
+  with pytest.raises(InvalidRequest, match=f"too many images: {limit + 1} > {limit}"):
+    parse_request(_body(tool_turn), serving=serve_config.serving, key=b"key",
+                  decode_image=lambda data: decoded.append(data) or images.decode_image(data, 4))
+  assert not decoded
+  at_limit = tool_turn[:2] + [{**tool_turn[2], "content": tool_turn[2]["content"][:-1]}]
+  roles = [m.role for m in _parse(serve_config, _body(at_limit)).messages]
+  assert roles == ["user", "assistant", "tool", "user"]
+
+
 def test_parse_translation(serve_config):
   key = b"key"
   sig = signing.sign_thinking(key, "hmm")
