@@ -10,8 +10,11 @@ Levels (the report grows with the level: 2, 3, 4, 5 years; statements and notes 
 
 Figures are whole thousands of dollars and add up (gross profit = revenue - cost of revenue,
 total assets = current assets + PP&E, ...). Integer answers are graded exactly (tolerance 0);
-percentages and ratios are asked to two decimals and graded within 1% relative, which the
-rounding to two decimals always meets because such answers are drawn with |value| >= 1.
+percentages and ratios are asked to two decimals and graded to within `ANSWER_SLACK` (0.015) of
+the rounded value, whatever its size (`ratio_tolerance`, a relative tolerance as the schema
+stores it; such answers are drawn with |value| >= 1): a last-digit rounding difference passes,
+0.02 off does not. A flat 1% relative let through answers rounded to whole numbers and the
+methods a question rules out (the pooled margin of an average-of-margins question).
 Company names belong to one split (`common.split_of`).
 """
 
@@ -26,7 +29,7 @@ from rl.tasks.schema import Task, parse_task
 
 DOMAIN = "docqa"
 MAX_DIFFICULTY = 3
-RATIO_TOLERANCE = 0.01
+ANSWER_SLACK = 0.015  # absolute half-width of the band a two-decimal answer is graded in
 _SUFFIXES = ("Holdings", "Group", "Industries", "Corporation", "Systems", "Partners")
 _INDUSTRIES = ("industrial machinery", "consumer electronics", "packaged foods", "specialty chemicals",
                "logistics", "medical devices", "software", "building materials")
@@ -299,6 +302,11 @@ QUESTIONS: dict[int, tuple[Callable[[random.Random, dict[str, Any]], Question], 
 # ---- the generator interface ---------------------------------------------------------------
 
 
+def ratio_tolerance(answer: float) -> float:
+  """The relative tolerance that admits answers within ANSWER_SLACK of `answer` (|answer| >= 1)."""
+  return ANSWER_SLACK / abs(answer)
+
+
 def _one(split: str, difficulty: int, seed: int, index: int) -> Task:
   rng = common.task_rng(DOMAIN, split, difficulty, seed, index)
   for _ in range(100):
@@ -309,7 +317,7 @@ def _one(split: str, difficulty: int, seed: int, index: int) -> Task:
   else:
     raise RuntimeError(f"docqa generator drew no valid question for {split} d{difficulty} s{seed} i{index}")
   question, answer, reasoning = drawn
-  tolerance = 0.0 if isinstance(answer, int) else RATIO_TOLERANCE
+  tolerance = 0.0 if isinstance(answer, int) else ratio_tolerance(answer)
   obj = {"id": common.task_id(DOMAIN, split, difficulty, seed, index), "domain": DOMAIN,
          "document": render(report, difficulty), "prompt": f"{question} {_FINISH}", "answer": answer,
          "tolerance": tolerance, "max_turns": 1,
@@ -320,6 +328,7 @@ def _one(split: str, difficulty: int, seed: int, index: int) -> Task:
 
 def generate(*, split: str, difficulty: int, n: int, seed: int) -> list[Task]:
   """`n` docqa tasks of `split` at `difficulty` (see the module docstring for the levels)."""
+  common.check_args(DOMAIN, split, difficulty, MAX_DIFFICULTY)
   return [_one(split, difficulty, seed, i) for i in range(n)]
 
 
