@@ -46,6 +46,17 @@ def test_splits_share_no_instance(level):
   assert not instances("train") & instances("heldout")
 
 
+def test_an_instance_drawn_in_another_order_keeps_its_split():
+  # The split key once followed the order the file names were drawn in: the same three files
+  # with the same one to delete had six keys, and 82% of such instances could be drawn in both
+  # splits (7 of 770 held-out delete_file tasks below were train tasks too).
+  def instances(split, level):
+    return {json.dumps([t.meta["template"], t.prompt, t["files"], t["check"]], sort_keys=True)
+            for t in generate("terminal", split=split, difficulty=level, n=3000, seed=0)}
+  for level in (0, 1):
+    assert not instances("train", level) & instances("heldout", level), level
+
+
 @pytest.mark.parametrize("level", LEVELS)
 def test_oracle_scores_1_and_near_miss_0(level, ctx):
   oracle, corrupt = replay_scores("terminal", level, ctx, n_train=2, n_heldout=1, seed=0)

@@ -5,7 +5,9 @@ reasoning-gym (https://github.com/open-thought/reasoning-gym) generates each que
 comes from `common.task_rng`, with the split in the seed's lowest bit, so the two splits
 never share a seed; and a question belongs to the split `common.split_of` gives its text
 (a draw from the other split's half is redrawn), so no question text is in both splits even
-where the generation space is small (level 0 has about 16,000 questions).
+where the generation space is small (level 0 has about 16,000 questions). Texts that pose one
+problem (4 * 5 and 5 * 4, gcd(6, 26) and gcd(26, 6), an equation in another letter) share a
+key (`split_key`), so a problem is in one split however it is written.
 
 Levels (datasets and their reasoning-gym configs in `LEVELS`; the mix in `DEFAULT_WEIGHTS`):
 
@@ -320,6 +322,39 @@ def level_weights(difficulty: int, weights: Mapping[str, float] | None = None) -
   return out
 
 
+def _equation_key(metadata: Mapping[str, Any]) -> tuple[int, ...] | None:
+  """A linear equation as the coefficients of a·x + b = 0 with a > 0 (None if it is not one)."""
+  import sympy
+
+  x = sympy.Symbol(metadata["variable"])
+  try:
+    lhs, rhs = (sympy.sympify(side) for side in metadata["equation"].split("="))
+    coeffs = [int(c) for c in sympy.Poly(sympy.expand(lhs - rhs), x).all_coeffs()]
+  except (ValueError, TypeError, sympy.SympifyError, sympy.PolynomialError):
+    return None
+  return tuple(-c for c in coeffs) if coeffs[0] < 0 else tuple(coeffs)
+
+
+def split_key(name: str, item: Mapping[str, Any]) -> tuple:
+  """What a question is, for its split: its text, except where two texts pose one problem.
+
+  Operands in another order (4 * 5 and 5 * 4, gcd(26, 6) and gcd(6, 26), the same animals listed
+  in another order) and another letter or side for the unknown (`Solve for j: 4*j + 14 = 86`,
+  `Solve for y: 86 = 14 + 4*y`) are one problem: keyed by the text, 21% of held-out level-1
+  questions were a train question with its operands swapped.
+  """
+  metadata = item["metadata"]
+  if name in ("gcd", "lcm"):
+    return (DOMAIN, name, tuple(sorted(metadata["numbers"])))
+  if name == "products":
+    return (DOMAIN, name, tuple(sorted(int(x) for x in re.split(r"[*×]", metadata["expression"]))))
+  if name == "leg_counting":
+    return (DOMAIN, name, tuple(sorted(metadata["animals"].items())))
+  if name == "simple_equations" and (key := _equation_key(metadata)) is not None:
+    return (DOMAIN, name, key)
+  return (DOMAIN, item["question"])
+
+
 def _seed_for(rng: random.Random, split: str) -> int:
   """A reasoning-gym seed whose lowest bit is the split: train and heldout never share one."""
   return 2 * rng.randrange(2**31) + (split == "heldout")
@@ -334,7 +369,7 @@ def _draw(split: str, difficulty: int, seed: int, index: int, mix: dict[str, flo
     rg_seed = _seed_for(rng, split)
     config = dict(LEVELS[difficulty][name])
     _, item = rg_item(name, config, rg_seed)
-    if common.split_of((DOMAIN, item["question"])) != split:
+    if common.split_of(split_key(name, item)) != split:
       continue
     solved = SOLVERS[name](item)
     if solved is None:
@@ -372,6 +407,7 @@ def generate(*, split: str, difficulty: int, n: int, seed: int = 0,
   Args:
     weights: {reasoning-gym dataset: relative weight}; default `DEFAULT_WEIGHTS`.
   """
+  common.check_args(DOMAIN, split, difficulty, MAX_DIFFICULTY)
   mix = level_weights(difficulty, weights)
   tasks = []
   for i in range(n):
