@@ -207,3 +207,16 @@ def test_oracle_scores_one_and_corruption_zero():
 @pytest.mark.slow
 def test_oracle_scores_one_and_corruption_zero_at_scale():
   _check_oracles(n=200)
+
+
+@pytest.mark.parametrize("domain", ["math", "web", "docqa", "cad", "terminal", "code"])
+def test_generators_refuse_a_split_or_level_they_do_not_have(domain):
+  # Every domain's generator (here with web's tests). Called directly (not through
+  # rl.tasks.generators.generate), a level of -1 once gave the top level's tasks under a d-1 id
+  # (math, cad), and an unknown split redrew forever (web, docqa).
+  import importlib
+  gen = importlib.import_module(f"rl.tasks.generators.{domain}")
+  for split, level, words in [("train", -1, "0.."), ("train", gen.MAX_DIFFICULTY + 1, "0.."),
+                              ("train", True, "0.."), ("test", 0, "split must be one of")]:
+    with pytest.raises(ValueError, match=words):
+      gen.generate(split=split, difficulty=level, n=1, seed=0)

@@ -19,6 +19,21 @@ def _hash(*parts: Any) -> int:
   return int.from_bytes(hashlib.sha256("|".join(map(str, parts)).encode()).digest()[:8], "little")
 
 
+SPLITS = ("train", "heldout")
+
+
+def check_args(domain: str, split: str, difficulty: int, max_difficulty: int) -> None:
+  """A clear error for a split or level a generator does not have (called by every `generate`).
+
+  Without it a level of -1 read the top level's templates (`LEVELS[-1]`) under a `d-1` id, and an
+  unknown split never matched `split_of`, so the web and docqa generators redrew forever.
+  """
+  if split not in SPLITS:
+    raise ValueError(f"split must be one of {', '.join(SPLITS)}; got {split!r}")
+  if isinstance(difficulty, bool) or not isinstance(difficulty, int) or not 0 <= difficulty <= max_difficulty:
+    raise ValueError(f"difficulty for {domain} must be an integer in 0..{max_difficulty}; got {difficulty!r}")
+
+
 def task_rng(domain: str, split: str, difficulty: int, seed: int, index: int) -> random.Random:
   """The RNG of one task; distinct for every (domain, split, difficulty, seed, index)."""
   return random.Random(_hash("task", domain, split, difficulty, seed, index))
