@@ -93,19 +93,23 @@ def test_splits_share_no_seed_or_question(difficulty):
 
 
 def test_splits_share_no_problem_written_another_way():
-  """4 * 5 and 5 * 4, gcd(26, 6) and gcd(6, 26) are one problem: keyed by the question text,
-  21% of held-out level-1 questions were a train question with its operands swapped."""
-  def problems(split):
+  """12 + 7 and 7 + 12, 4 * 5 and 5 * 4, gcd(26, 6) and gcd(6, 26) are one problem: keyed by the
+  question text, 35% of held-out level-0 sums and 21% of held-out level-1 questions were a train
+  question with its operands swapped."""
+  def problems(split, level):
     out = set()
-    for t in gen.generate(split=split, difficulty=1, n=300, seed=0):
+    for t in gen.generate(split=split, difficulty=level, n=300, seed=0):
       metadata = gen.rg_item(t.meta["source"], t.meta["rg_config"], t.meta["rg_seed"])[1]["metadata"]
       if t.meta["source"] in ("gcd", "lcm"):
         out.add((t.meta["source"], tuple(sorted(metadata["numbers"]))))
       elif t.meta["source"] == "products":
         out.add(("products", tuple(sorted(int(x) for x in metadata["expression"].split("*")))))
+      elif t.meta["source"] == "chain_sum" and "-" not in metadata["expression"]:
+        out.add(("sum", tuple(sorted(int(x) for x in metadata["expression"].split("+")))))
     return out
-  train, heldout = problems("train"), problems("heldout")
-  assert len(heldout) > 50 and not train & heldout, sorted(train & heldout)[:5]
+  for level in (0, 1):
+    train, heldout = problems("train", level), problems("heldout", level)
+    assert len(heldout) > 50 and not train & heldout, (level, sorted(train & heldout)[:5])
 
 
 def test_level_zero_is_small_addition_subtraction(tasks_by_level):

@@ -6,8 +6,8 @@ comes from `common.task_rng`, with the split in the seed's lowest bit, so the tw
 never share a seed; and a question belongs to the split `common.split_of` gives its text
 (a draw from the other split's half is redrawn), so no question text is in both splits even
 where the generation space is small (level 0 has about 16,000 questions). Texts that pose one
-problem (4 * 5 and 5 * 4, gcd(6, 26) and gcd(26, 6), an equation in another letter) share a
-key (`split_key`), so a problem is in one split however it is written.
+problem (12 + 7 and 7 + 12, 4 * 5 and 5 * 4, gcd(6, 26) and gcd(26, 6), an equation in another
+letter) share a key (`split_key`), so a problem is in one split however it is written.
 
 Levels (datasets and their reasoning-gym configs in `LEVELS`; the mix in `DEFAULT_WEIGHTS`):
 
@@ -335,19 +335,32 @@ def _equation_key(metadata: Mapping[str, Any]) -> tuple[int, ...] | None:
   return tuple(-c for c in coeffs) if coeffs[0] < 0 else tuple(coeffs)
 
 
+def _commuted_key(expression: str) -> tuple | None:
+  """A sum or a product of plain numbers (`12 + 7 + 30`, `4 * 9`) by its sorted terms; None for
+  any other expression (a difference or a mix of operators depends on the order)."""
+  parts = expression.split()
+  terms, ops = parts[::2], set(parts[1::2])
+  if len(parts) % 2 == 0 or ops not in ({"+"}, {"*"}) or not all(t.isdigit() for t in terms):
+    return None
+  return ("sum" if ops == {"+"} else "products", tuple(sorted(int(t) for t in terms)))
+
+
 def split_key(name: str, item: Mapping[str, Any]) -> tuple:
   """What a question is, for its split: its text, except where two texts pose one problem.
 
-  Operands in another order (4 * 5 and 5 * 4, gcd(26, 6) and gcd(6, 26), the same animals listed
-  in another order) and another letter or side for the unknown (`Solve for j: 4*j + 14 = 86`,
-  `Solve for y: 86 = 14 + 4*y`) are one problem: keyed by the text, 21% of held-out level-1
-  questions were a train question with its operands swapped.
+  Operands in another order (12 + 7 and 7 + 12, 4 * 5 and 5 * 4, gcd(26, 6) and gcd(6, 26), the
+  same animals listed in another order) and another letter or side for the unknown (`Solve for j:
+  4*j + 14 = 86`, `Solve for y: 86 = 14 + 4*y`) are one problem: keyed by the text, 35% of
+  held-out level-0 sums and 21% of held-out level-1 questions were a train question with its
+  operands swapped.
   """
   metadata = item["metadata"]
+  if name in ("chain_sum", "basic_arithmetic") and (key := _commuted_key(metadata["expression"])):
+    return (DOMAIN,) + key
   if name in ("gcd", "lcm"):
     return (DOMAIN, name, tuple(sorted(metadata["numbers"])))
   if name == "products":
-    return (DOMAIN, name, tuple(sorted(int(x) for x in re.split(r"[*×]", metadata["expression"]))))
+    return (DOMAIN, "products", tuple(sorted(int(x) for x in re.split(r"[*×]", metadata["expression"]))))
   if name == "leg_counting":
     return (DOMAIN, name, tuple(sorted(metadata["animals"].items())))
   if name == "simple_equations" and (key := _equation_key(metadata)) is not None:
