@@ -10,12 +10,16 @@ costs reward. Boolean operations are manifold3d's exact mesh booleans
 
 The score of an answer is the volumetric intersection over union (Jaccard index)
 vol(a ∩ b) / vol(a ∪ b): 1 for the same solid, 0 for disjoint ones, and it punishes both
-missing and extra material.
+missing and extra material. IoU alone does not say whether every feature is there: a plate
+without its hole, a bracket without its drillings keep an IoU of 0.94-0.998, so a part is right
+(`match`) when it is also closer to the target than its smallest feature (`smallest_feature`:
+the least volume one part of the target adds or removes).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from typing import Any
 
@@ -186,6 +190,80 @@ def canonical(solid: dict[str, Any]) -> str:
   return json.dumps(norm(solid), sort_keys=True)
 
 
+def _volumes(ma: manifold3d.Manifold, mb: manifold3d.Manifold) -> tuple[float, float, float]:
+  """(vol(a), vol(b), vol(a ∩ b))."""
+  va, vb = float(ma.volume()), float(mb.volume())
+  return va, vb, (float((ma ^ mb).volume()) if va > 0 and vb > 0 else 0.0)
+
+
+def _without_one_part(node: dict[str, Any]) -> list[dict[str, Any]]:
+  """The solid with one part left out, for each part: every subtrahend of a difference (not the
+  body it cuts) and every member of a union, at any depth."""
+  kind = next(k for k in node if k != "at")
+  if kind not in ("union", "difference", "intersection"):
+    return []
+  kids, out = node[kind], []
+  removable = range(len(kids)) if kind == "union" else range(1, len(kids)) if kind == "difference" else ()
+  for i in removable:
+    rest = kids[:i] + kids[i + 1:]
+    out.append({**node, kind: rest} if len(rest) > 1 else {**rest[0], "at": _shift(rest[0], node)})
+  for i, kid in enumerate(kids):
+    out += [{**node, kind: kids[:i] + [v] + kids[i + 1:]} for v in _without_one_part(kid)]
+  return out
+
+
+def _shift(child: dict[str, Any], parent: dict[str, Any]) -> list[float]:
+  """The `at` of a lone child lifted out of its parent: the two translations added."""
+  a, b = child.get("at", (0, 0, 0)), parent.get("at", (0, 0, 0))
+  return [float(x) + float(y) for x, y in zip(a, b, strict=True)]
+
+
+@functools.lru_cache(maxsize=256)
+def _smallest_feature(text: str) -> float | None:
+  target = json.loads(text)
+  volume = float(build(target).volume())
+  changes = [abs(float(build(v).volume()) - volume) for v in _without_one_part(target)]
+  changes = [c for c in changes if c > 1e-9 * max(volume, 1.0)]  # a part that changes nothing
+  return min(changes) if changes else None
+
+
+def smallest_feature(solid: dict[str, Any]) -> float | None:
+  """The least volume one part of `solid` adds or removes (None: a single primitive, or no part
+  changes anything). Cached by the solid's canonical form: a group of episodes grades one target."""
+  return _smallest_feature(canonical(parse_solid(solid)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Match:
+  """An answer against its target: IoU, the volume in one but not the other (`apart`), the
+  target's smallest feature, and whether the answer is the target part (`success`)."""
+  iou: float
+  success: bool
+  answer_volume: float
+  target_volume: float
+  apart: float
+  smallest_feature: float | None
+
+
+# IoU a matching part needs besides its features (rl/envs/cad.py's success).
+MATCH_IOU = 0.9
+
+
+def match(answer: dict[str, Any], target: dict[str, Any]) -> Match:
+  """Scores `answer` against `target`. It is the target part when IoU >= MATCH_IOU and the volume
+  apart is below half the target's smallest feature: no hole, boss or drilling is missing or
+  extra, while a slightly different radius or position still counts."""
+  feature = smallest_feature(target)
+  if canonical(parse_solid(answer)) == canonical(parse_solid(target)):
+    volume = float(build(target).volume())
+    return Match(1.0, True, volume, volume, 0.0, feature)  # no (slow, coincident) boolean
+  va, vt, inter = _volumes(build(answer), build(target))
+  union = va + vt - inter
+  score = min(1.0, max(0.0, inter / union)) if union > 0 else float(va == vt == 0)
+  success = score >= MATCH_IOU and (feature is None or union - inter < feature / 2)
+  return Match(score, success, va, vt, union - inter, feature)
+
+
 def iou(a: Any, b: Any) -> float:
   """Volumetric intersection over union of two solids (or meshes), in [0, 1].
 
@@ -196,10 +274,8 @@ def iou(a: Any, b: Any) -> float:
   if isinstance(a, dict) and isinstance(b, dict) and canonical(parse_solid(a)) == canonical(parse_solid(b)):
     return 1.0
   ma, mb = _mesh(a), _mesh(b)
-  va, vb = float(ma.volume()), float(mb.volume())
-  # vol(a ∪ b) = vol(a) + vol(b) - vol(a ∩ b): one boolean instead of two.
-  inter = float((ma ^ mb).volume()) if va > 0 and vb > 0 else 0.0
-  union = va + vb - inter
+  va, vb, inter = _volumes(ma, mb)
+  union = va + vb - inter  # vol(a ∪ b) = vol(a) + vol(b) - vol(a ∩ b): one boolean instead of two
   if union <= 0.0:
     return 1.0 if ma.is_empty() and mb.is_empty() else 0.0
   return min(1.0, max(0.0, inter / union))
