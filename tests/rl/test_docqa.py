@@ -74,6 +74,28 @@ def test_two_decimal_answers_are_graded_to_the_last_digit():
   assert checked > 50
 
 
+def test_a_tax_rate_question_is_about_its_year():
+  """The company's tax rate was one number for every year, so another year's rate passed 3,000 of
+  3,000 tax-rate questions."""
+  from rl.tasks.answers import answers_match
+  checked = 0
+  for seed in range(60):
+    rng = random.Random(seed)
+    report = docqa.build_report(rng, "train", 4)
+    asked = docqa.q_tax_rate(rng, report)
+    if asked is None:
+      continue
+    question, answer, _ = asked
+    year = int(question.split("tax rate in ")[1][:4])
+    for other in report["years"]:
+      tax, before = (docqa._v(report, item, other) for item in ("Income tax", "Income before taxes"))
+      if other != year and before > 0:
+        rate = f"{tax / before * 100:.2f}"
+        assert not answers_match(rate, answer, docqa.ratio_tolerance(answer)), (seed, year, other, rate)
+        checked += 1
+  assert checked > 100
+
+
 def _check_oracles(n):
   ctx = EnvContext()
   for level in range(docqa.MAX_DIFFICULTY + 1):

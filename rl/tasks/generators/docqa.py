@@ -83,7 +83,9 @@ def _year(rng: random.Random, revenue: int, r: dict[str, float]) -> dict[str, in
   f["Shareholders' equity"] = assets - f["Total liabilities"]
   f["Interest expense"] = round(f["Long-term debt"] * r["rate"])
   f["Income before taxes"] = f["Operating income"] - f["Interest expense"]
-  f["Income tax"] = round(max(f["Income before taxes"], 0) * r["tax"])
+  # The rate moves from year to year, so a tax-rate question is about its year (with one rate for
+  # every year, any year's rate graded right).
+  f["Income tax"] = round(max(f["Income before taxes"], 0) * (r["tax"] + rng.uniform(-0.03, 0.03)))
   f["Net income"] = f["Income before taxes"] - f["Income tax"]
   return f
 
