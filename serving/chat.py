@@ -37,7 +37,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from serving.types import EFFORTS, ImagePart, Message, TextPart, Tool, ToolCall
+from serving.types import EFFORTS, ImagePart, Message, TextPart, Tool, ToolCall, loads_json
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -243,10 +243,12 @@ def _check_calls(i: int, m: Message, calls: dict[str, ToolCall]) -> None:
     if not isinstance(call.name, str) or not call.name:
       raise ValueError(f"{where}.name: must be a non-empty string.")
     try:
-      args = json.loads(call.arguments) if isinstance(call.arguments, str) else None
+      args = loads_json(call.arguments) if isinstance(call.arguments, str) else None
     except json.JSONDecodeError as e:
       raise ValueError(f"{where}.arguments: not valid JSON ({e.msg} at char {e.pos}); expected a "
                        "JSON object as text, e.g. '{\"city\": \"Paris\"}'.") from None
+    except ValueError as e:  # NaN, Infinity, 1e999: Python reads them, JSON has none
+      raise ValueError(f"{where}.arguments: not valid JSON ({e}).") from None
     except RecursionError:
       raise ValueError(f"{where}.arguments: nested too deeply for the JSON decoder; nest values at most "
                        "a few hundred levels deep.") from None

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import re
 import secrets
 from collections.abc import Sequence
@@ -51,6 +50,7 @@ from serving.types import (
   ToolCall,
   ToolCallDelta,
   ToolChoice,
+  loads_json,
 )
 
 _log = logging.getLogger(__name__)
@@ -148,23 +148,10 @@ def _emit(out: list[Delta], cls: type, text: str) -> None:
     out.append(cls(text))
 
 
-def _reject_constant(name: str):
-  raise ValueError(f"{name} is not JSON")
-
-
-def _finite_float(text: str) -> float:
-  """A JSON number as a float; one too large for a double (1e999) is refused: json.loads would
-  make it inf, which json.dumps writes as `Infinity` (not JSON) and strict encoders refuse."""
-  value = float(text)
-  if not math.isfinite(value):
-    raise ValueError(f"the number {text[:40]} is out of a double's range")
-  return value
-
-
 def parse_tool_call(raw: str, tools: dict[str, Tool]) -> tuple[str, str]:
   """The (name, arguments JSON text) of a tool call's content; ValueError says what is wrong."""
   try:
-    obj = json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
+    obj = loads_json(raw)
   except (ValueError, RecursionError) as e:
     raise ValueError(f"not valid JSON ({str(e)[:100]})") from None
   if not isinstance(obj, dict) or set(obj) != {"name", "arguments"}:
@@ -174,7 +161,7 @@ def parse_tool_call(raw: str, tools: dict[str, Tool]) -> tuple[str, str]:
     raise ValueError(f"unknown tool {name!r} (tools: {sorted(tools)[:10]})")
   if isinstance(args, str):
     try:
-      args = json.loads(args, parse_constant=_reject_constant, parse_float=_finite_float)
+      args = loads_json(args)
     except (ValueError, RecursionError) as e:
       raise ValueError(f"'arguments' is a string but not JSON ({str(e)[:100]})") from None
   if not isinstance(args, dict):

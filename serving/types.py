@@ -7,6 +7,8 @@ back; RL rollouts build them directly. Nothing here depends on JAX.
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 from collections.abc import Sequence
 from typing import Any, Literal, NamedTuple, Protocol
 
@@ -29,6 +31,24 @@ class ImagePart:
 
 
 Part = TextPart | ImagePart
+
+
+def _reject_constant(name: str):
+  raise ValueError(f"{name} is not JSON")
+
+
+def _finite_float(text: str) -> float:
+  value = float(text)
+  if not math.isfinite(value):
+    raise ValueError(f"the number {text[:40]} is out of a double's range")
+  return value
+
+
+def loads_json(text: str) -> Any:
+  """json.loads for tool-call arguments, refusing what is not JSON though Python reads it: NaN,
+  Infinity, and numbers past a double (1e999 would become inf, which json.dumps writes back as
+  `Infinity` and strict encoders refuse). Raises ValueError (or RecursionError when too deep)."""
+  return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -181,6 +181,12 @@ def _call(id_="c1", name="f", args='{"a": 1}'):
      r"messages\[0\]\.tool_calls\[0\]\.arguments: expected a JSON object"),
     ([Message("assistant", [], tool_calls=[_call(args="{bad json")])],
      r"messages\[0\]\.tool_calls\[0\]\.arguments: not valid JSON"),
+    # Python's json reads these; JSON has no NaN, Infinity or numbers past a double (client-sent
+    # calls rendered them into the prompt).
+    ([Message("assistant", [], tool_calls=[_call(args='{"a": NaN}')])],
+     r"messages\[0\]\.tool_calls\[0\]\.arguments: not valid JSON \(NaN is not JSON\)"),
+    ([Message("assistant", [], tool_calls=[_call(args='{"a": -1e999}')])],
+     r"messages\[0\]\.tool_calls\[0\]\.arguments: not valid JSON \(the number -1e999"),
     ([Message("assistant", [], tool_calls=[_call(), _call()])],
      r"messages\[0\]\.tool_calls\[1\]\.id: 'c1' was already used"),
     ([Message("assistant", [], tool_calls=[_call(id_="")])], r"messages\[0\]\.tool_calls\[0\]\.id"),
