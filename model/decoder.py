@@ -153,6 +153,11 @@ class Horizon(nnx.Module):
       if n_ph > n_patches:
         raise ValueError(f"a row has {n_ph} image placeholder tokens but only {n_patches} image "
                          f"patches were given ({m} images x {self.cfg.vision.num_patches} patches).")
+      counts = np.sum(np.asarray(tokens) == self.cfg.image_token_id, axis=1)
+      if np.any(counts % self.cfg.vision.num_patches):
+        raise ValueError(f"rows have {counts.tolist()} image placeholder tokens; each image takes "
+                         f"exactly {self.cfg.vision.num_patches} (a part of an image would take "
+                         "the first patches of the next image's slot).")
     emb = self.vision(images.reshape((b * m,) + images.shape[2:]))
     emb = emb.reshape(b, n_patches, emb.shape[2])
     return merge_image_embeddings(x, tokens, emb, self.cfg.image_token_id)

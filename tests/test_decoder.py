@@ -181,6 +181,11 @@ def test_too_many_placeholders_is_a_clear_error(model, tiny_cfg):
   tok, img = _image_inputs(tiny_cfg, 7)
   with pytest.raises(ValueError, match="image placeholder tokens"):
     model(tok, images=img[:, :1])  # eager: the check needs concrete tokens
+  # Part of an image (fewer placeholders than its patches) took the next image's first patches.
+  partial = np.asarray(tok).copy()
+  partial[0, np.flatnonzero(partial[0] == tiny_cfg.image_token_id)[-1]] = 5
+  with pytest.raises(ValueError, match=f"each image takes exactly {tiny_cfg.vision.num_patches}"):
+    model(jnp.asarray(partial), images=img)
 
 
 def test_remat_matches_no_remat(tiny_cfg, model):
