@@ -276,6 +276,39 @@ def test_indexer_loss_trains_only_the_indexer(tiny_cfg, stage):
       assert size == 0.0, f"indexer loss leaks into {name}"
 
 
+_INDEXER_PARAMS = ("w_qi", "w_ki", "w_w", "index_k_norm")
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _ref_indexer_grads(cfg, sparse_topk, p, x, pos, seg):
+  """Grads of the reference indexer loss wrt the indexer's params; the main model's params (and so
+  the target distribution and c_q) held constant, as the layer's stop_gradients do."""
+  def f(pi):
+    return ref_indexer_loss({**jax.lax.stop_gradient(p), **pi}, x, pos, seg, cfg, sparse_topk)
+  return jax.grad(f)({k: p[k] for k in _INDEXER_PARAMS})
+
+
+@pytest.mark.parametrize("stage", ["sparse", "dense_warmup"])
+def test_indexer_loss_gradients_match_reference(tiny_cfg, stage):
+  """The indexer KL's gradient wrt every indexer parameter equals the plain log_softmax reference's
+  (the value alone cannot tell a wrong softmax normaliser gradient)."""
+  cfg = tiny_cfg.replace(indexer_stage=stage)
+  _, graphdef, params, rest = _make(cfg, seed=1)
+  b, t = 2, 37
+  x = normal_data(60 + t, (b, t, cfg.d_model))
+  seg = packed_segments(b, t, [[15], []])
+  pos = segment_positions(seg)
+  p = nnx.to_pure_dict(params)
+  if stage == "sparse":
+    assert_unambiguous_topk(p, x, pos, seg, cfg)
+  _, _, _, (g_p, _) = _layer_grads(graphdef, params, rest, x, pos, seg, jnp.ones_like(x))
+  got, want = _flat(nnx.to_pure_dict(g_p)), _flat(_ref_indexer_grads(cfg, stage == "sparse", p, x, pos, seg))
+  assert want and set(want) <= set(got)
+  for name, w in want.items():
+    assert float(jnp.abs(w).max()) > 0, name
+    assert_close(got[name], w, what=f"indexer loss grad {name}")
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def _extend(graphdef, params, rest, x, valid, cache):
   return nnx.merge(graphdef, params, rest).extend(x, valid, cache)

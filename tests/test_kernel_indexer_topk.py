@@ -84,6 +84,26 @@ def test_decode_single_query(backend, interp):
   np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
 
 
+@pytest.mark.parametrize("backend,interp,block", [("triton", True, ops.BlockSizes(16, 16, 16)),
+                                                   ("tpu", pltpu.InterpretParams(), ops.BlockSizes(8, 8, 4))])
+def test_decode_query_on_a_key_block_start_sees_its_own_key(backend, interp, block):
+  """A query at position 16 with key blocks of 8 / 16: the block starting at its own key (key
+  pos == query pos) is needed. Both paths share needed_blocks, so check them against the dense
+  definition, not against each other."""
+  q, w, k, q_pos, q_seg, k_pos, k_seg = _data(4, True)
+  args = (q[:, 10:11], w[:, 10:11], k, q_pos[:, 10:11], q_seg[:, 10:11], k_pos, k_seg)
+  assert int(q_pos[0, 10]) == 16
+  topk = 12  # more than row 0's 10 allowed keys (segment 1, positions 7..16)
+  d_idx, d_valid, _ = reference.dense_topk(*args, topk)
+  assert bool(jnp.any(d_valid[0, 0] & (d_idx[0, 0] == 16)))
+  xla = jax.jit(lambda *a: sparse.blockwise_topk(*a, topk, 4, 8))(*args)
+  pal = jax.jit(lambda *a: ops.blockwise_topk(*a, topk, 4, 8, block=block, interpret=interp,
+                                              backend=backend))(*args)
+  for name, (idx, valid) in (("xla", xla), ("pallas", pal)):
+    np.testing.assert_array_equal(np.asarray(valid), np.asarray(d_valid), err_msg=name)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(d_idx), err_msg=name)
+
+
 def test_reference_matches_dense_definition():
   """The XLA path (the kernel's reference) equals top-k of the dense masked score matrix."""
   for topk in (4, 24):

@@ -61,7 +61,7 @@ def test_gather_matches_dense_reference(t, e, k, d, f):
   _check_against_reference(args, fast, "gather")
 
 
-@pytest.mark.parametrize("impl", ["grouped", "gather"])
+@pytest.mark.parametrize("impl", ["grouped", "gather", "blocked", "ragged_dot"])
 def test_no_expert_ids_give_zero(impl):
   """Id e (expert parallelism's empty slot) contributes nothing, forward and backward."""
   x, idx, w, wg, wu, wd = _expert_inputs(5, 6, 7, 2, 9, 5)

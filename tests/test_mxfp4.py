@@ -159,6 +159,30 @@ def test_zero_subnormal_and_nonfinite_blocks():
   np.testing.assert_array_equal(q[4], 1.0)  # other blocks unaffected
 
 
+@pytest.mark.parametrize("mode", fmt.MODES)
+def test_block_max_on_the_ceil_boundary(mode):
+  """A block max whose significand is exactly 1.5 (amax / 6 a power of two: ceil keeps the
+  floor scale) or just above it (ceil doubles the scale), for either sign, vs the spec model."""
+  rng = np.random.default_rng(8)
+  w = (rng.standard_normal((6, 32)) * 0.5).astype(np.float32)
+  w[:, 0] = [6.0, -3.0 * 2.0 ** -10, 1.5 * 2.0 ** 20, np.nextafter(np.float32(6.0), np.float32(7.0)),
+             -1.5, 0.75]
+  blocks, scales = fmt.quantize(w, mode=mode)
+  got = np.asarray(fmt.dequantize(blocks, scales)).astype(np.float64)
+  np.testing.assert_array_equal(got, _np_quantize_dequantize(w, mode))
+
+
+def test_nonfinite_blocks_store_zero_codes():
+  """A NaN / inf block is marked by its scale (0xFF) and stores all-zero codes (documented)."""
+  w = np.random.default_rng(9).standard_normal((3, 64)).astype(np.float32)
+  w[0, 5], w[1, 40] = np.nan, np.inf
+  blocks, scales = fmt.quantize(w)
+  b, s = np.asarray(blocks), np.asarray(scales)
+  np.testing.assert_array_equal(s[:2] == 0xFF, [[True, False], [False, True]])
+  assert not b[0, 0].any() and not b[1, 1].any()
+  assert b[0, 1].any() and b[1, 0].any() and b[2].any()
+
+
 def test_quantize_axis_and_layout():
   w = np.random.default_rng(5).standard_normal((3, 64, 5)).astype(np.float32)  # [e, d, f]
   blocks, scales = fmt.quantize(w, axis=1)  # contraction d moved last

@@ -50,6 +50,10 @@ def test_gradient_accumulation_equals_whole_batch(setup):
   assert float(m1["tokens"]) == float(m2["tokens"]) == 4 * 24 - 4
   assert_close(m2["loss"], m1["loss"], what="loss")
   np.testing.assert_array_equal(m2["load"], m1["load"])
+  # The reported auxiliary losses are the whole batch's (means over micro-batches, not sums).
+  for name in ("ce_sum", "z_loss", "seq_aux_loss", "indexer_loss"):
+    assert float(m1[name]) > 0, name
+    assert_close(m2[name], m1[name], what=name)
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g1), jax.tree.leaves(g2), strict=True):
     assert_close(b, a, what=f"grad {jax.tree_util.keystr(path)}")
 

@@ -221,3 +221,49 @@ def test_every_preset_and_its_meaningful_overrides_still_build():
   assert obj_lib.objective("dapo", overlong_buffer=0, overlong_penalty=0.0).overlong_buffer == 0
   with pytest.raises(ValueError, match=r"config\.rl\.overlong_penalty=2\.0 with config\.rl\.overlong_buf"):
     obj_lib.objective("dapo", overlong_buffer=0, overlong_penalty=2.0)
+
+
+def _ref_metrics(logp, batch, adv, o):
+  """clip_frac, tis_clip_frac, rollout_kl, abs_dlogp and kl_ref over the sampled tokens, one at a time."""
+  mask, old, roll, ref = batch["mask"], batch["logp_old"], batch["logp_rollout"], batch["logp_ref"]
+  n_tok = mask.sum()
+  clip = tis = rkl = dlogp = kl_ref = 0.0
+  for b in range(B):
+    n = mask[b].sum()
+    seq_lr = sum(float(logp[b, t] - old[b, t]) for t in range(T) if mask[b, t]) / max(n, 1)
+    for t in range(T):
+      if not mask[b, t]:
+        continue
+      r = math.exp(seq_lr) if o.ratio == "sequence" else math.exp(float(logp[b, t] - old[b, t]))
+      clip += (adv[b] > 0 and r > 1 + o.eps_high) or (adv[b] < 0 and r < 1 - o.eps_low)
+      d = float(old[b, t] - roll[b, t])
+      tis += math.exp(d) > o.tis_cap
+      rkl += math.exp(d) - d - 1  # k3 of KL(rollout || trainer): e^-(roll - old) + (roll - old) - 1
+      dlogp += abs(d)
+      k = float(logp[b, t] - ref[b, t])
+      kl_ref += k if o.kl == "k1" else math.exp(-k) + k - 1
+  return dict(clip_frac=clip / n_tok, tis_clip_frac=tis / n_tok, rollout_kl=rkl / n_tok,
+              abs_dlogp=dlogp / n_tok, kl_ref=kl_ref / n_tok)
+
+
+@pytest.mark.parametrize("algorithm", ["dapo", "grpo"])
+@pytest.mark.parametrize("kl", ["k1", "k3"])
+def test_metrics_match_per_token_reference(algorithm, kl):
+  """The diagnostics (clip_frac with DAPO's asymmetric clip, TIS cap hits, rollout KL, |dlogp|, the
+  reference KL) over the sampled tokens only, against the loop reference; off-policy enough that
+  every count is nonzero."""
+  batch, logp, rewards, groups = _batch(4)
+  logp = batch["logp_old"] + np.random.default_rng(5).normal(0, 0.4, (B, T)).astype(np.float32)
+  # Ratios between the two clip edges (1 + eps_low < r < 1 + eps_high, 1 - eps_high < r < 1 - eps_low)
+  # on positive- and negative-advantage samples (two and one, so that swapped edges do not cancel):
+  # clipped only if each edge uses its own eps.
+  for b, t, r in ((0, 1, 1.24), (3, 0, 1.24), (1, 1, 0.76)):
+    logp[b, t] = batch["logp_old"][b, t] + np.log(r)
+  o = obj_lib.objective(algorithm, kl=kl, kl_coef=0.1, tis_cap=1.5)
+  adv = obj_lib.advantages(rewards, groups, o)
+  jb = {k: jnp.asarray(v) for k, v in batch.items()} | {"advantages": jnp.asarray(adv, jnp.float32)}
+  _, metrics = obj_lib.policy_loss(jnp.asarray(logp), jb, o)
+  want = _ref_metrics(logp, batch, adv, o)
+  assert want["clip_frac"] > 0 and want["tis_clip_frac"] > 0
+  for name, value in want.items():
+    np.testing.assert_allclose(float(metrics[name]), value, rtol=1e-5, atol=1e-7, err_msg=name)
