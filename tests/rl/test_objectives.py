@@ -64,22 +64,27 @@ def _ref_kl_term(logp, batch, o):
   return kl.sum() / (B * (o.norm_tokens or T))
 
 
-def _ref_loss(logp, batch, adv, o):
-  """The objective, one token at a time."""
-  mask, old, roll = batch["mask"], batch["logp_old"], batch["logp_rollout"]
-  tok_loss = np.zeros((B, T))
+def _ratios(logp, batch, o):
+  """(row, position, policy ratio) of every sampled token: per token, or the row's geometric mean."""
+  mask, old = batch["mask"], batch["logp_old"]
   for b in range(B):
     n = mask[b].sum()
     seq_lr = sum(float(logp[b, t] - old[b, t]) for t in range(T) if mask[b, t]) / max(n, 1)
     for t in range(T):
-      if not mask[b, t]:
-        continue
-      r = math.exp(seq_lr) if o.ratio == "sequence" else math.exp(float(logp[b, t] - old[b, t]))
-      c = min(max(r, 1 - o.eps_low), 1 + o.eps_high)
-      loss = -min(r * adv[b], c * adv[b])
-      if o.tis_cap:
-        loss *= min(math.exp(float(old[b, t] - roll[b, t])), o.tis_cap)
-      tok_loss[b, t] = loss
+      if mask[b, t]:
+        yield b, t, math.exp(seq_lr) if o.ratio == "sequence" else math.exp(float(logp[b, t] - old[b, t]))
+
+
+def _ref_loss(logp, batch, adv, o):
+  """The objective, one token at a time."""
+  mask, old, roll = batch["mask"], batch["logp_old"], batch["logp_rollout"]
+  tok_loss = np.zeros((B, T))
+  for b, t, r in _ratios(logp, batch, o):
+    c = min(max(r, 1 - o.eps_low), 1 + o.eps_high)
+    loss = -min(r * adv[b], c * adv[b])
+    if o.tis_cap:
+      loss *= min(math.exp(float(old[b, t] - roll[b, t])), o.tis_cap)
+    tok_loss[b, t] = loss
   if o.aggregation == "token_mean":
     total = tok_loss.sum() / mask.sum()
   elif o.aggregation == "seq_mean":
@@ -228,20 +233,14 @@ def _ref_metrics(logp, batch, adv, o):
   mask, old, roll, ref = batch["mask"], batch["logp_old"], batch["logp_rollout"], batch["logp_ref"]
   n_tok = mask.sum()
   clip = tis = rkl = dlogp = kl_ref = 0.0
-  for b in range(B):
-    n = mask[b].sum()
-    seq_lr = sum(float(logp[b, t] - old[b, t]) for t in range(T) if mask[b, t]) / max(n, 1)
-    for t in range(T):
-      if not mask[b, t]:
-        continue
-      r = math.exp(seq_lr) if o.ratio == "sequence" else math.exp(float(logp[b, t] - old[b, t]))
-      clip += (adv[b] > 0 and r > 1 + o.eps_high) or (adv[b] < 0 and r < 1 - o.eps_low)
-      d = float(old[b, t] - roll[b, t])
-      tis += math.exp(d) > o.tis_cap
-      rkl += math.exp(d) - d - 1  # k3 of KL(rollout || trainer): e^-(roll - old) + (roll - old) - 1
-      dlogp += abs(d)
-      k = float(logp[b, t] - ref[b, t])
-      kl_ref += k if o.kl == "k1" else math.exp(-k) + k - 1
+  for b, t, r in _ratios(logp, batch, o):
+    clip += (adv[b] > 0 and r > 1 + o.eps_high) or (adv[b] < 0 and r < 1 - o.eps_low)
+    d = float(old[b, t] - roll[b, t])
+    tis += math.exp(d) > o.tis_cap
+    rkl += math.exp(d) - d - 1  # k3 of KL(rollout || trainer): e^-(roll - old) + (roll - old) - 1
+    dlogp += abs(d)
+    k = float(logp[b, t] - ref[b, t])
+    kl_ref += k if o.kl == "k1" else math.exp(-k) + k - 1
   return dict(clip_frac=clip / n_tok, tis_clip_frac=tis / n_tok, rollout_kl=rkl / n_tok,
               abs_dlogp=dlogp / n_tok, kl_ref=kl_ref / n_tok)
 
