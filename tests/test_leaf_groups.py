@@ -68,6 +68,17 @@ def test_per_leaf_checks_come_back_in_leaf_order():
   assert lg.all_finite_per_leaf({}).shape == (0,)
 
 
+
+@pytest.mark.parametrize("max_elements", [None, 12, 0])
+def test_finite_and_norm_is_the_global_l2_norm(max_elements):
+  """The reported grad_norm: sqrt of the sum of squares over every leaf (float64 reference), not
+  squared, not per group; and the per-leaf finiteness in leaf order."""
+  tree = jax.tree.map(lambda x: x * 3.0, _tree(4))
+  finite, norm = lg.finite_and_norm(tree, max_elements)
+  want = np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2) for x in jax.tree.leaves(tree)))
+  assert float(norm) == pytest.approx(want, rel=1e-6)
+  np.testing.assert_array_equal(finite, np.ones(len(jax.tree.leaves(tree)), bool))
+
 def _adamw(mask):
   return optax.chain(optax.clip_by_global_norm(1.0),
                      optax.adamw(1e-2, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, mask=mask))

@@ -200,3 +200,19 @@ def test_expert_parallel_mesh_custom_backward_matches_autodiff():
   for (path, r), x in zip(ref, got, strict=True):
     assert_close(jax.device_get(x), jax.device_get(r), dtype="bfloat16",
                  what=f"grad {jax.tree_util.keystr(path)}")
+
+
+def test_bf16_compute_keeps_f32_master_weights_and_moments():
+  """param_dtype float32 with dtype bfloat16 (the `small` policy): every trainable weight and every
+  AdamW moment is stored in f32; only the products run in bf16."""
+  from training import train_step as ts
+  cfg = ModelConfig.from_config(horizon.get_config("tiny").model).replace(dtype="bfloat16")
+  assert cfg.param_dtype == "float32"
+  tc = ts.TrainConfig.from_config(horizon.get_config("tiny").train)
+  model, opt = nnx.eval_shape(lambda: (m := Horizon(cfg, rngs=nnx.Rngs(0)), ts.make_train_state(m, tc)))
+  params = jax.tree.leaves(nnx.state(model, nnx.Param))
+  moments = [x for p, x in jax.tree_util.tree_leaves_with_path(nnx.state(opt))
+             if "'mu'" in jax.tree_util.keystr(p) or "'nu'" in jax.tree_util.keystr(p)]
+  assert len(params) > 50 and len(moments) == 2 * len(params)
+  assert {str(x.dtype) for x in params} == {"float32"}
+  assert {str(x.dtype) for x in moments} == {"float32"}

@@ -301,6 +301,55 @@ def test_ragged_exchange_is_dropless(cfg, shape):
     assert_close(jax.device_get(getattr(g1, name)[...]), getattr(g0, name)[...], what=f"ragged d{name}")
 
 
+
+def test_capacity_is_the_documented_bucket_size():
+  """C = ceil(capacity_factor * A_local / ep), at least 1 and at most A_local (module docstring),
+  worked out by hand: the drop test above takes C from ep_lib.capacity itself."""
+  for a_local, ep, factor, want in ((10, 8, 1.25, 2), (10, 4, 0.5, 2), (40, 8, 1.25, 7), (96, 8, 1.0, 12),
+                                    (7, 2, 8.0, 7), (3, 8, 0.1, 1)):
+    assert ep_lib.capacity(a_local, ep, factor) == want, (a_local, ep, factor)
+
+
+@pytest.mark.parametrize("factor", [8.0, 0.5])
+def test_capacity_exchange_does_not_count_padding_as_drops(factor):
+  """5 tokens over 8 batch shards (3 padded rows): one real token per shard, its k experts distinct,
+  so even buckets of 1 row (factor 0.5) place every real assignment, and factor = ep places all.
+  0 dropped (padded rows are neither exchanged nor counted) and the single-device dropless output."""
+  mesh = _mesh((1, 1, 8, 1))
+  rng = np.random.default_rng(2)
+  t, e, k, d, f = 5, 8, 2, 6, 4
+  r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)  # noqa: E731
+  x, wg, wu, wd = r(t, d), r(e, d, f), r(e, d, f), r(e, f, d)
+  idx = jnp.asarray(np.stack([rng.permutation(e)[:k] for _ in range(t)]), jnp.int32)
+  w = jax.nn.softmax(r(t, k), axis=-1)
+
+  def local(x, ids, w, w_gate, w_up, w_down):
+    return dropless_experts(x, ids, w, w_gate, w_up, w_down, jnp.float32)
+
+  run = jax.jit(lambda *a: ep_lib.expert_parallel_experts(*a, local_experts=local, exchange="capacity",
+                                                          capacity_factor=factor))
+  with mesh_lib.activate(mesh):
+    y, dropped = run(x, idx, w, wg, wu, wd)
+  assert float(dropped) == 0.0
+  assert_close(jax.device_get(y), dropless_experts(x, idx, w, wg, wu, wd, jnp.float32), what="padded EP")
+
+
+def test_rules_table_is_the_documented_layout():
+  """sharding/rules.py's docstring: heads, FFN widths, ViT heads/MLP and the vocabulary split over
+  `tensor`, experts over `expert`, a weight's embed over `fsdp`; the small dims replicated; an
+  activation's batch over every batch-like axis, its heads/mlp/vocab over `tensor`."""
+  params, acts = rules_lib.PARAM_RULES, rules_lib.ACTIVATION_RULES
+  for name in ("heads", "mlp", "vit_heads", "vit_mlp", "vocab"):
+    assert params[name] == "tensor", name
+  assert params["expert"] == "expert" and params["embed"] == "fsdp"
+  for name in ("q_lora", "kv_lora", "head_dim", "norm", "conv", "embed_out", "vit_embed"):
+    assert params[name] is None, name
+  assert tuple(acts["batch"]) == ("data", "fsdp", "expert")
+  for name in ("heads", "mlp", "vocab"):
+    assert acts[name] == "tensor", name
+  for name in ("length", "embed", "expert"):
+    assert acts[name] is None, name
+
 def test_emulated_ragged_all_to_all_matches_semantics():
   mesh = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
   rng = np.random.default_rng(1)
