@@ -216,6 +216,11 @@ def test_engine_session_is_append_only(engine_policy):
       assert tok == end_think  # the thinking budget forced <|/think|>
   # tiny's 'low' budget is 8 thinking tokens and a random model rarely closes thinking itself
   assert comp0.thinking_tokens <= policy.budgets["low"]
+  # At seed 3 it does not: the budget forced exactly one </think>, which stays out of the loss (the
+  # loop above holds vacuously if forced tokens are never recorded).
+  assert comp0.thinking_tokens == policy.budgets["low"] and comp0.forced.count(True) == 1, comp0.forced
+  at = comp0.forced.index(True)
+  assert comp0.token_ids[at] == end_think and session.mask[len(prompt0) + at] == 0
 
 
 def test_engine_episodes_run_concurrently(engine_policy):

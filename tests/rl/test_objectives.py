@@ -266,3 +266,17 @@ def test_metrics_match_per_token_reference(algorithm, kl):
   assert want["clip_frac"] > 0 and want["tis_clip_frac"] > 0
   for name, value in want.items():
     np.testing.assert_allclose(float(metrics[name]), value, rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+@pytest.mark.parametrize("kind", obj_lib.ADVANTAGES)
+def test_advantages_of_uneven_and_two_sample_groups(kind):
+  """Groups of 2, 3 and 4 samples, interleaved in the batch (as dynamic-sampling refills leave
+  them): each sample is compared with its own group only, against the loop-by-loop reference."""
+  rewards = np.array([1.0, 0.2, 0.0, 0.7, 1.0, 0.4, 0.9, 0.0, 0.3])
+  groups = np.array([5, 2, 5, 9, 2, 9, 9, 2, 9])  # 5: two samples, 2: three, 9: four
+  o = obj_lib.objective({"group_norm": "grpo", "group_mean": "dr_grpo", "loo": "rloo"}[kind])
+  assert o.advantage == kind
+  adv = obj_lib.advantages(rewards, groups, o)
+  np.testing.assert_allclose(adv, _ref_advantages(rewards, groups, kind), rtol=1e-12)
+  if kind == "group_norm":  # two distinct rewards: +-1 whatever their gap
+    np.testing.assert_allclose(adv[[0, 2]], [1.0, -1.0], rtol=1e-5)

@@ -276,3 +276,135 @@ def test_mixture_and_levels_refuse_repeated_and_unused_entries():
     parse_levels("2", ["file:/t.jsonl"])
   assert parse_levels("0", ["file:/t.jsonl"]) == {}  # the default level stays harmless
   assert parse_levels("1,math=2", ["math", "cad", "file:/t.jsonl"]) == {"math": 2, "cad": 1}
+
+
+def test_to_batch_routing_rows_and_mask():
+  """Routing [B, T, layers, k] follows the inputs (position p = the token fed at p); routing_mask is
+  1 wherever the engine fed the token, whichever experts it chose, expert 0 included."""
+  layers, k = 2, 2
+  a = _two_turn()  # 11 tokens: 10 inputs; the engine fed every token but the last sampled one
+  rng = np.random.default_rng(0)
+  a.routing = rng.integers(0, 4, (11, layers, k)).astype(np.int32)
+  a.routing[3, 0] = [0, 1]  # expert 0 first in layer 0
+  a.routing[5] = 0  # every slot expert 0
+  a.routing[10] = -1
+  b = _episode("t1", "low", [1, 2, 3, 4], [0, 0, 1, 1], [0, 0, -0.1, -0.2], [TurnSpan(0, 2, 4, "stop")])
+  b.routing = np.full((4, layers, k), -1, np.int32)
+  b.routing[:2] = [[0, 2], [1, 0]]  # a prefix-cached prompt fed by an earlier request; 2, 3 unfed
+  out = batch_lib.to_batch([a, b], np.zeros(2), obj_lib.objective("grpo"), pad_multiple=8)
+  assert out["routing"].shape == (2, 16, layers, k)
+  for row, ep in enumerate((a, b)):
+    n = len(ep.token_ids) - 1
+    for p in range(16):
+      want = ep.routing[p] if p < n else np.full((layers, k), -1)
+      np.testing.assert_array_equal(out["routing"][row, p], want, err_msg=f"row {row} position {p}")
+      fed = p < n and bool(np.all(ep.routing[p] >= 0))
+      assert out["routing_mask"][row, p] == fed, (row, p)
+  assert out["routing_mask"][0, [3, 5]].tolist() == [1, 1]
+
+
+def _fake_rollout_run(reward_of):
+  """An RLRun (dapo,tiny: 2 prompts x 4 samples, up to 2 refills) whose episodes come from
+  `reward_of(task index in its stream, sampling seed)` instead of the engine; returns (run, played
+  jobs per round)."""
+  import types
+
+  from configs import rl as rl_config
+  from rl.train.trainer import RLRun
+  r = RLRun(rl_config.get_config("dapo,tiny"), "/tmp/unused")
+  assert (r.rl.prompts_per_step, r.rl.samples_per_prompt, r.rl.max_refills) == (2, 4, 2)
+  r.executor = types.SimpleNamespace(busy_s=0.0)
+  played = []
+
+  def play(jobs):
+    played.append([(task.id, tier, s.seed) for task, tier, s in jobs])
+    eps = []
+    for task, tier, s in jobs:
+      ep = _episode(task.id, tier, [1, 2], [0, 1], [0.0, -0.1], [TurnSpan(0, 1, 2, "stop")],
+                    reward_of(int(task.id.rsplit("-", 1)[1]), s.seed))
+      ep.domain, ep.success = task.domain, ep.reward > 0
+      eps.append(ep)
+    return eps
+
+  r._play = play
+  return r, played
+
+
+def test_dynamic_sampling_drops_equal_groups_and_refills_with_new_prompts():
+  # even task indices: every sample scores 1 (no signal); odd ones: half the samples score 1
+  r, played = _fake_rollout_run(lambda index, seed: 1.0 if index % 2 == 0 else float(seed % 2))
+  kept, sources, stats = r.rollout(0)
+  assert len(played) == 2  # round 0 keeps one group of 4: one refill reaches 2 x 4
+  assert stats["rounds"] == 2 and stats["episodes_played"] == 16
+  assert stats["groups"] == 4 and stats["groups_dropped"] == 2 and stats["groups_dropped/math"] == 2
+  want = [e for rnd in played for e in rnd if int(e[0].rsplit("-", 1)[1]) % 2 == 1]
+  assert [(e.task_id, e.tier) for e in kept] == [(t, tier) for t, tier, _ in want]
+  assert len(kept) == 8 and sources == ["math"] * 8
+  for g in set(batch_lib.group_ids(kept)):
+    assert len({e.reward for e, k in zip(kept, batch_lib.group_ids(kept), strict=True) if k == g}) == 2
+  # the refill plays new prompts with new sampling seeds
+  assert not {t for t, _, _ in played[0]} & {t for t, _, _ in played[1]}
+  assert not {s for _, _, s in played[0]} & {s for _, _, s in played[1]}
+  # success over every played episode (dropped groups included), not only the kept ones
+  successes = [int(t.rsplit("-", 1)[1]) % 2 == 0 or s % 2 == 1 for rnd in played for t, _, s in rnd]
+  assert stats["played_success"] == pytest.approx(np.mean(successes)) and np.mean(successes) == 0.75
+
+
+def test_dynamic_sampling_stops_after_max_refills():
+  r, played = _fake_rollout_run(lambda index, seed: 0.5)  # no group ever has signal
+  kept, sources, stats = r.rollout(3)
+  assert len(played) == 3 and stats["rounds"] == 3  # the first round and max_refills=2 refills
+  assert kept == [] and sources == [] and stats["groups_dropped"] == stats["groups"] == 6
+
+
+def test_update_trains_on_advantages_of_each_task_and_tier_group(monkeypatch):
+  """RLRun.update's advantages, as the gradient step receives them, equal the plain per-group
+  (task, tier) normalisation of the shaped rewards; step metrics add loss terms over micro-batches
+  and average the rest by tokens; the engine gets the weights unless the caller syncs. The model
+  programs are stand-ins."""
+  import jax.numpy as jnp
+
+  from configs import rl as rl_config
+  from rl.train import update as update_lib
+  from rl.train.trainer import RLRun
+  r = RLRun(rl_config.get_config("grpo,tiny"), "/tmp/unused")
+  r.model = r.optimizer = r.ref_model = None
+  specs = [("a", "low", 1.0), ("a", "low", 0.0), ("a", "low", 0.0), ("a", "high", 1.0), ("a", "high", 1.0),
+           ("a", "high", 0.0), ("b", "low", 0.3), ("b", "low", 0.9), ("a", "low", 0.0), ("a", "high", 0.5)]
+  eps = [_episode(task, tier, [100 + i, 5, 6, 7 + i % 3], [0, 1 - i % 2, 1, 1], [0, -0.1, -0.2, -0.3],
+                  [TurnSpan(0, 1, 4, "stop")], reward) for i, (task, tier, reward) in enumerate(specs)]
+  seen = {}
+
+  def score(model, batch, replay=False):
+    shape = batch["inputs"].shape
+    return jnp.zeros(shape), jnp.zeros(shape), jnp.asarray(-1.0)
+
+  def micro_grads(model, optimizer, batch, obj, tc, n_micro, replay=False):
+    index = np.asarray(batch["inputs"][:, 0]) - 100
+    seen.update(zip(index.tolist(), np.asarray(batch["advantages"]).tolist(), strict=True))
+    tokens = np.asarray(batch["mask"]).sum(1)
+    # a loss term (sums over micro-batches) and a token average (the micro-batch's own)
+    return {"g": jnp.zeros(())}, {"loss": jnp.asarray(float(index.sum())), "policy_loss": jnp.zeros(()),
+                                  "clip_frac": jnp.asarray(float((index * tokens).sum() / tokens.sum()))}
+
+  syncs = []
+  monkeypatch.setattr(update_lib, "score", score)
+  monkeypatch.setattr(update_lib, "micro_grads", micro_grads)
+  monkeypatch.setattr(update_lib, "apply_grads", lambda *a: {"grad_norm": jnp.zeros(())})
+  monkeypatch.setattr(r, "sync_weights", lambda: syncs.append(1) or 0.0)
+  monkeypatch.setitem(r.rl, "micro_batch", 3)  # 10 rows: micro-batches of 3, 3, 3 and 1 rows
+  m = r.update(eps, sync=False)
+  assert syncs == []  # asynchronous rollouts: the caller syncs
+  tokens = np.array([sum(ep.loss_mask[1:]) for ep in eps], float)
+  assert m["loss"] == pytest.approx(sum(range(len(eps))))
+  assert m["clip_frac"] == pytest.approx((np.arange(len(eps)) * tokens).sum() / tokens.sum())
+  assert m["tokens"] == tokens.sum() and m["batch_rows"] == len(eps)
+  r.update(eps, sync=True)
+  assert syncs == [1]  # the engine gets the updated weights
+  want = []
+  for task, tier, reward in specs:
+    same = [x for t, ti, x in specs if (t, ti) == (task, tier)]
+    mean = sum(same) / len(same)
+    std = (sum((x - mean) ** 2 for x in same) / len(same)) ** 0.5
+    want.append((reward - mean) / (std + 1e-6))
+  np.testing.assert_allclose([seen[i] for i in range(len(specs))], want, rtol=1e-5, atol=1e-6)

@@ -85,3 +85,67 @@ def test_replay_changes_routing_and_differentiates_the_router(played):
   router = [g for path, g in jax.tree_util.tree_leaves_with_path(nnx.state(grads))
             if "w_router" in jax.tree_util.keystr(path)]
   assert router and all(float(jnp.abs(g).max()) > 0 for g in router)
+
+
+class _FixedLogits:
+  """A stand-in model: fixed logits, and a record of the routing it was handed."""
+
+  def __init__(self, logits):
+    self.logits, self.routing = logits, "unset"
+
+  def __call__(self, inputs, positions, segment_ids, routing=None, routing_mask=None):
+    self.routing = (routing, routing_mask)
+    return self.logits, {}
+
+
+def test_token_logp_and_entropy_match_a_plain_reference():
+  """Log-prob of each target and the entropy of each position's distribution, against softmax
+  written out per position; replay hands the recorded routing to the model, no replay hands none."""
+  rng = np.random.default_rng(0)
+  b, t, v = 2, 5, 7
+  logits = rng.normal(0, 2, (b, t, v)).astype(np.float32)
+  batch = {"inputs": jnp.asarray(rng.integers(0, v, (b, t)), jnp.int32),
+           "targets": jnp.asarray(rng.integers(0, v, (b, t)), jnp.int32),
+           "positions": jnp.zeros((b, t), jnp.int32), "segment_ids": jnp.ones((b, t), jnp.int32),
+           "routing": jnp.zeros((b, t, 1, 1), jnp.int32), "routing_mask": jnp.ones((b, t), jnp.int32)}
+  model = _FixedLogits(jnp.asarray(logits))
+  logp, entropy, _ = update_lib.token_logp(model, batch, False)
+  assert model.routing == (None, None)
+  for i in range(b):
+    for j in range(t):
+      z = np.exp(logits[i, j].astype(np.float64))
+      p = z / z.sum()
+      target = int(batch["targets"][i, j])
+      np.testing.assert_allclose(float(logp[i, j]), np.log(p[target]), rtol=1e-5, atol=1e-6)
+      np.testing.assert_allclose(float(entropy[i, j]), -np.sum(p * np.log(p)), rtol=1e-5, atol=1e-6)
+  update_lib.token_logp(model, batch, True)
+  assert model.routing[0] is batch["routing"] and model.routing[1] is batch["routing_mask"]
+
+
+def test_routing_mismatch_counts_only_recorded_tokens():
+  """Expert sets are compared per (token, layer), only where the engine fed the token
+  (routing_mask) inside a sequence (segment_ids); the reference loops over every pair."""
+  layers, b, t, k = 2, 2, 4, 2
+  rng = np.random.default_rng(1)
+  recorded = np.stack([rng.permutation(8)[:k] for _ in range(b * t * layers)]).reshape(b, t, layers, k)
+  routed = np.moveaxis(recorded[..., ::-1], 2, 0).copy()  # the same sets, listed in another order
+  recorded[0, 1, 0], routed[0, 0, 1] = [1, 2], [1, 3]  # differs: row 0, position 1, layer 0
+  recorded[1, 0, 1], routed[1, 1, 0] = [4, 5], [6, 7]  # differs: row 1, position 0, layer 1
+  recorded[0, 2], routed[:, 0, 2] = -1, [0, 1]  # the engine never fed row 0's position 2
+  routed[:, 1, 3] = [[0, 1], [2, 3]]  # row 1's position 3 is padding
+  recorded[1, 3] = [[4, 5], [6, 7]]
+  mask = (recorded[:, :, 0, 0] >= 0).astype(np.int32)
+  segments = np.ones((b, t), np.int32)
+  segments[1, 3] = 0
+  batch = {"routing": jnp.asarray(recorded, jnp.int32), "routing_mask": jnp.asarray(mask),
+           "segment_ids": jnp.asarray(segments)}
+  differs = known = 0
+  for i in range(b):
+    for j in range(t):
+      for layer in range(layers):
+        if mask[i, j] and segments[i, j]:
+          known += 1
+          differs += sorted(routed[layer, i, j]) != sorted(recorded[i, j, layer])
+  assert (known, differs) == (12, 2)  # 6 fed positions in sequences x 2 layers
+  got = float(update_lib.routing_mismatch(jnp.asarray(routed, jnp.int32), batch))
+  np.testing.assert_allclose(got, differs / known, rtol=1e-6)
