@@ -324,6 +324,16 @@ def test_one_data_state_for_every_process_resumes_on_any_count(caplog):
   assert "restarts instead of resuming exactly" in caplog.text
 
 
+def test_rng_keys_of_every_impl_round_trip_through_meta():
+  """The key's impl is stored with its data: a mutant that ignored it on restore passed every test
+  (they used the default threefry key, whose data shape is the default's)."""
+  for key in (jax.random.key(11), jax.random.key(11, impl="rbg"), jax.random.key(11, impl="unsafe_rbg")):
+    meta = json.loads(json.dumps(ck.make_meta(1, None, key, {})))
+    back = ck.read_meta_dict(meta, "ckpt")["rng"]
+    assert jax.random.key_impl(back) == jax.random.key_impl(key)
+    np.testing.assert_array_equal(jax.random.key_data(back), jax.random.key_data(key))
+
+
 def test_no_local_only_file_calls():
   """Directories may be URLs: the module must do all file I/O through epath / orbax."""
   source = "\n".join((ROOT / "training" / f).read_text() for f in ("checkpoint.py", "checkpoint_meta.py"))
