@@ -196,6 +196,13 @@ def _volumes(ma: manifold3d.Manifold, mb: manifold3d.Manifold) -> tuple[float, f
   return va, vb, (float((ma ^ mb).volume()) if va > 0 and vb > 0 else 0.0)
 
 
+def _jaccard(va: float, vb: float, inter: float) -> float:
+  """IoU from the volumes: vol(a ∪ b) = vol(a) + vol(b) - vol(a ∩ b), one boolean instead of two;
+  two empty solids are the same solid."""
+  union = va + vb - inter
+  return min(1.0, max(0.0, inter / union)) if union > 0 else float(va == vb == 0)
+
+
 def _without_one_part(node: dict[str, Any]) -> list[dict[str, Any]]:
   """The solid with one part left out, for each part: every subtrahend of a difference (not the
   body it cuts) and every member of a union, at any depth."""
@@ -220,9 +227,11 @@ def _shift(child: dict[str, Any], parent: dict[str, Any]) -> list[float]:
 
 @functools.lru_cache(maxsize=256)
 def _smallest_feature(text: str) -> float | None:
+  # Built without the grammar's checks: the target passed them, and a lifted child's summed `at`
+  # may leave the range an answer is held to.
   target = json.loads(text)
-  volume = float(build(target).volume())
-  changes = [abs(float(build(v).volume()) - volume) for v in _without_one_part(target)]
+  volume = float(_build(target).volume())
+  changes = [abs(float(_build(v).volume()) - volume) for v in _without_one_part(target)]
   changes = [c for c in changes if c > 1e-9 * max(volume, 1.0)]  # a part that changes nothing
   return min(changes) if changes else None
 
@@ -258,10 +267,9 @@ def match(answer: dict[str, Any], target: dict[str, Any]) -> Match:
     volume = float(build(target).volume())
     return Match(1.0, True, volume, volume, 0.0, feature)  # no (slow, coincident) boolean
   va, vt, inter = _volumes(build(answer), build(target))
-  union = va + vt - inter
-  score = min(1.0, max(0.0, inter / union)) if union > 0 else float(va == vt == 0)
-  success = score >= MATCH_IOU and (feature is None or union - inter < feature / 2)
-  return Match(score, success, va, vt, union - inter, feature)
+  score, apart = _jaccard(va, vt, inter), va + vt - 2 * inter
+  success = score >= MATCH_IOU and (feature is None or apart < feature / 2)
+  return Match(score, success, va, vt, apart, feature)
 
 
 def iou(a: Any, b: Any) -> float:
@@ -273,9 +281,4 @@ def iou(a: Any, b: Any) -> float:
   """
   if isinstance(a, dict) and isinstance(b, dict) and canonical(parse_solid(a)) == canonical(parse_solid(b)):
     return 1.0
-  ma, mb = _mesh(a), _mesh(b)
-  va, vb, inter = _volumes(ma, mb)
-  union = va + vb - inter  # vol(a ∪ b) = vol(a) + vol(b) - vol(a ∩ b): one boolean instead of two
-  if union <= 0.0:
-    return 1.0 if ma.is_empty() and mb.is_empty() else 0.0
-  return min(1.0, max(0.0, inter / union))
+  return _jaccard(*_volumes(_mesh(a), _mesh(b)))
