@@ -8,7 +8,7 @@
 Results go to <out>/results.jsonl, one line per episode, as they finish: run the same command
 again to resume (a run whose policy, sampling or turn/token limits differ from the ones that
 wrote the file is refused: use a fresh --out). Prints a markdown table (domain x tier: n,
-success % with 95% Wilson interval, pass@k, reward, thinking tokens, turns, tool errors,
+success % with 95% Wilson interval, pass@k, reward, thinking tokens, turns, tool errors, malformed tool calls,
 latency p50/p95), writes
 <out>/success_vs_thinking.png, and ends with one line of JSON. Episodes the policy failed to
 play (a server down, a rejected request) are not scores: they are left out of the table, named

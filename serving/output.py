@@ -196,7 +196,8 @@ class OutputProcessor:
     response_format: the answer must be one JSON document (None: free text).
 
   Attributes (read after or during generation): thinking_tokens,
-  stop_sequence, tool_calls, text, thinking_text.
+  stop_sequence, tool_calls, text, thinking_text, malformed_calls (how many
+  calls were delivered as text because they were broken).
   """
 
   def __init__(self, tokenizer, *, thinking: bool, thinking_budget: int | None,
@@ -235,6 +236,7 @@ class OutputProcessor:
     self.thinking_tokens = 0
     self.stop_sequence: str | None = None
     self.tool_calls: list[ToolCall] = []
+    self.malformed_calls = 0
     self._text: list[str] = []
     self._thinking: list[str] = []
 
@@ -434,6 +436,7 @@ class OutputProcessor:
     """A broken tool call: its raw content becomes answer text, with a warning."""
     raw = self._tok.decode(self._call_ids)
     _log.warning("malformed tool call from the model (%s); delivered as text: %.200r", why, raw)
+    self.malformed_calls += 1
     self._phase, self._call_ids = "answer", []
     self._answer_text(out, raw)
 

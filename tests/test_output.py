@@ -184,6 +184,7 @@ def test_tool_calls_parsed(tok):
   assert all(re.fullmatch(r"toolu_[0-9a-f]{24}", c.call.id) for c in calls)
   assert calls[0].call.id != calls[1].call.id
   assert proc.text == "Sure. And " and [c.call for c in calls] == proc.tool_calls
+  assert proc.malformed_calls == 0
   assert proc.finish_reason("stop") == "tool_calls" and proc.finish_reason("length") == "length"
   order = [type(d).__name__ for k, d in enumerate(deltas) if k == 0 or type(d) is not type(deltas[k - 1])]
   assert order == ["TextDelta", "ToolCallDelta", "TextDelta", "ToolCallDelta"]
@@ -209,7 +210,7 @@ def test_malformed_call_becomes_text(tok, caplog, payload, why):
     deltas, reason, _ = run(proc, enc(tok, "A ") + _call_ids(tok, payload) + [sp(tok, "end_of_turn")])
   assert reason == "stop" and proc.tool_calls == [] and proc.finish_reason("stop") == "stop"
   assert not any(isinstance(d, ToolCallDelta) for d in deltas)
-  assert proc.text == "A " + payload
+  assert proc.text == "A " + payload and proc.malformed_calls == 1
   assert any(why in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
 
 
@@ -219,7 +220,7 @@ def test_unclosed_call_at_close(tok, caplog):
   with caplog.at_level(logging.WARNING, logger="serving.output"):
     deltas, reason, steps = run(proc, [sp(tok, "tool_call")] + enc(tok, partial), close_reason="length")
   assert reason is None and all(s == [] for s in steps[:-1])  # nothing streamed while buffering
-  assert deltas == [TextDelta(partial)] and proc.text == partial
+  assert deltas == [TextDelta(partial)] and proc.text == partial and proc.malformed_calls == 1
   assert "no closing <|/tool_call|>" in caplog.text
 
 
@@ -230,14 +231,14 @@ def test_special_token_inside_call(tok, caplog):
   proc = OutputProcessor(tok, thinking=False, thinking_budget=None, tools=TOOLS)
   with caplog.at_level(logging.WARNING, logger="serving.output"):
     deltas, reason, _ = run(proc, ids)
-  assert proc.text == '{"name": "adx' and reason == "tool_calls"
+  assert proc.text == '{"name": "adx' and reason == "tool_calls" and proc.malformed_calls == 1
   assert [c.name for c in proc.tool_calls] == ["add"]
   assert "special token <|user|> inside the call" in caplog.text
   # A second <|tool_call|> inside an open call: the first is text, the second parses.
   proc = OutputProcessor(tok, thinking=False, thinking_budget=None, tools=TOOLS)
   with caplog.at_level(logging.WARNING, logger="serving.output"):
     run(proc, [sp(tok, "tool_call")] + enc(tok, "{") + _call_ids(tok, good))
-  assert proc.text == "{" and len(proc.tool_calls) == 1
+  assert proc.text == "{" and len(proc.tool_calls) == 1 and proc.malformed_calls == 1
 
 
 def test_stop_string_inside_malformed_call_text(tok):

@@ -54,6 +54,8 @@ class Episode:
     reward, success, grade: the grader's verdict on the end state.
     thinking_tokens, generated_tokens: totals over turns (from usage for HTTP policies).
     tool_calls, tool_errors: counts over the episode.
+    malformed_calls: tool calls the model broke (bad JSON, unknown tool, unclosed), which end
+      the turn as answer text (engine policies only; see rl.agent.policy.Completion).
     end: why it ended: 'answer' (a turn without tool calls), 'max_turns', 'length' (the
       token limit), 'error' (the policy failed; `error` says how).
     wall_s: wall-clock seconds from reset to grade.
@@ -75,6 +77,7 @@ class Episode:
   generated_tokens: int = 0
   tool_calls: int = 0
   tool_errors: int = 0
+  malformed_calls: int = 0
   end: str = "answer"
   error: str | None = None
   wall_s: float = 0.0
@@ -103,6 +106,7 @@ class Episode:
       "generated_tokens": self.generated_tokens,
       "tool_calls": self.tool_calls,
       "tool_errors": self.tool_errors,
+      "malformed_calls": self.malformed_calls,
       "end": self.end,
       "error": self.error,
       "wall_s": round(self.wall_s, 4),

@@ -2,7 +2,9 @@
 
 Used by RL rollouts, SFT data generation and evaluation alike. An episode ends when the
 assistant answers without a tool call, at the task's `max_turns` (assistant messages), or
-when the context is full (the token limit). Tool failures are tool results, never
+when the context is full (the token limit). A call the model breaks (bad JSON, an unknown
+tool, no closing marker) is answer text, as the APIs deliver it, and ends the episode; it is
+counted in `Episode.malformed_calls` (engine policies). Tool failures are tool results, never
 exceptions; a policy failure (an HTTP error, an engine error) or an environment that fails
 while running tool calls (a dead Ray actor) ends only its own episode, with `end='error'` and
 the reason, and is graded like any other end state.
@@ -78,6 +80,7 @@ async def _play(task: Task, session, env, messages: list[Message], ep: Episode, 
     messages.append(comp.message)
     ep.thinking_tokens += comp.thinking_tokens
     ep.generated_tokens += comp.generated_tokens
+    ep.malformed_calls += comp.malformed_calls
     if session.token_level:
       prompt_start = ep.turns[-1].gen_end if ep.turns else 0
       ep.turns.append(TurnSpan(prompt_start, gen_start, len(session.ids), comp.finish_reason))

@@ -30,6 +30,9 @@ class Completion:
 
   message: the parsed assistant message (thinking, text, tool calls).
   finish_reason: 'stop' | 'tool_calls' | 'length' | 'error' | 'cancelled'.
+  malformed_calls: tool calls the model opened but broke (bad JSON, an unknown tool, no
+    closing marker), delivered as answer text (engine policies only: the APIs return them as
+    text, as vLLM's parsers do, so an HTTP policy cannot tell them from an answer).
   token_ids / logprobs / forced: the sampled tokens (engine policies only).
   """
 
@@ -37,6 +40,7 @@ class Completion:
   finish_reason: str
   thinking_tokens: int = 0
   generated_tokens: int = 0
+  malformed_calls: int = 0
   token_ids: list[int] = dataclasses.field(default_factory=list)
   logprobs: list[float] = dataclasses.field(default_factory=list)
   forced: list[bool] = dataclasses.field(default_factory=list)
@@ -224,6 +228,7 @@ class EngineSession(Session):
       inner.finish_reason(reason),
       thinking_tokens=inner.thinking_tokens,
       generated_tokens=usage.completion_tokens if usage else len(token_ids),
+      malformed_calls=inner.malformed_calls,
       token_ids=token_ids,
       logprobs=logprobs,
       forced=forced,

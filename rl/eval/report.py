@@ -57,6 +57,8 @@ def aggregate(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
       "thinking_tokens": _mean([float(r["thinking_tokens"]) for r in rs]),
       "turns": _mean([float(r["turns"]) for r in rs]),
       "tool_errors": _mean([float(r["tool_errors"]) for r in rs]),
+      # broken calls ended as text (engine policies; absent from results written before the field)
+      "malformed_calls": _mean([float(r.get("malformed_calls", 0)) for r in rs]),
       "latency_p50": percentile([float(r["wall_s"]) for r in rs], 50),
       "latency_p95": percentile([float(r["wall_s"]) for r in rs], 95),
       # episodes scored 0 because the grader raised (rl.agent.loop): not the model's failures
@@ -88,6 +90,7 @@ def markdown(rows: Sequence[dict[str, Any]], not_played: dict[str, int] | None =
     "thinking tok",
     "turns",
     "tool err",
+    "bad calls",
     "latency p50 s",
     "latency p95 s",
   ]
@@ -103,6 +106,7 @@ def markdown(rows: Sequence[dict[str, Any]], not_played: dict[str, int] | None =
       _fmt(r["thinking_tokens"], 1),
       _fmt(r["turns"], 2),
       _fmt(r["tool_errors"], 2),
+      _fmt(r["malformed_calls"], 2),
       _fmt(r["latency_p50"], 3),
       _fmt(r["latency_p95"], 3),
     ]

@@ -314,6 +314,7 @@ class RLRun:
       "thinking_tokens": np.array([e.thinking_tokens for e in episodes], float),
       "turns": np.array([e.num_turns for e in episodes], float),
       "tool_errors": np.array([e.tool_errors for e in episodes], float),
+      "malformed_calls": np.array([e.malformed_calls for e in episodes], float),
       "truncated": np.array([e.end == "length" for e in episodes], float),
       "grader_failed": np.array([bool(e.grade.get("grader_failed")) for e in episodes], float),
       "forced_think_end": (parts["budget"] < 0).astype(float), "entropy": per_ep_entropy,

@@ -51,7 +51,8 @@ def test_run_logs_domains_trajectories_and_checkpoints(straight):
   assert [r["step"] for r in records] == list(range(STEPS))
   for r in records:
     for key in ("reward/math", "success/math", "response_tokens/math", "thinking_tokens/math", "turns/math",
-                "tool_errors/math", "truncated/math", "entropy/math", "groups_dropped", "mix/math",
+                "tool_errors/math", "malformed_calls/math", "truncated/math", "entropy/math",
+                "groups_dropped", "mix/math",
                 "abs_dlogp", "rollout_kl", "tis_clip_frac", "clip_frac", "grad_norm", "rollout_s",
                 "update_s", "played_success/math", "grader_failed/math", "groups_invalid"):
       assert key in r and math.isfinite(r[key]), (key, r.get(key))
