@@ -81,6 +81,7 @@ from serving.anthropic_schema import (
 )
 from serving.api_common import EFFORT_TIERS, ThinkingSettings, effort_thinking, resolve_tool_choice
 from serving.errors import validation_message
+from serving.images import sniff_media_type
 from serving.types import (
   EFFORTS,
   ImagePart,
@@ -149,6 +150,10 @@ def _text(block: TextBlock, path: str) -> str:
 
 
 def _image(block: ImageBlock, path: str, decode: ImageDecoder) -> ImagePart:
+  found = sniff_media_type(block.source.data)  # Anthropic refuses data that is not its media_type
+  if found is not None and found != block.source.media_type:
+    _fail(_join(path, "source.media_type"), f"the image data is {found}, not {block.source.media_type}; "
+          f"set media_type to {found!r}.")
   try:
     return ImagePart(pixels=decode(block.source.data))
   except ValueError as e:  # serving.images names the problem (bad base64, undecodable, too large)

@@ -54,6 +54,23 @@ def _b64(text: str, where: str, max_bytes: int | None) -> bytes:
   return data
 
 
+_MAGIC = ((b"\x89PNG\r\n\x1a\n", "image/png"), (b"\xff\xd8\xff", "image/jpeg"), (b"GIF87a", "image/gif"),
+          (b"GIF89a", "image/gif"))
+
+
+def sniff_media_type(data: str) -> str | None:
+  """The media type base64 image data starts with (PNG, JPEG, GIF or WebP signature), or None when
+  its first bytes are none of them or are not base64 (decoding then says what is wrong)."""
+  head = re.sub(r"\s+", "", data[:256])[:16].replace("-", "+").replace("_", "/")
+  try:
+    raw = base64.b64decode(head + "=" * (-len(head) % 4), validate=True)
+  except (binascii.Error, ValueError):
+    return None
+  if raw[:4] == b"RIFF" and raw[8:12] == b"WEBP":
+    return "image/webp"
+  return next((mime for magic, mime in _MAGIC if raw.startswith(magic)), None)
+
+
 def image_bytes(source: str | bytes, max_bytes: int | None = None) -> bytes:
   """The encoded image file inside a data URL, raw base64 text, or bytes (at most max_bytes)."""
   if isinstance(source, bytes | bytearray | memoryview):

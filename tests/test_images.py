@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from serving.images import decode_image
+from serving.images import decode_image, sniff_media_type
 
 SIZE = 11  # odd output size on purpose
 
@@ -171,3 +171,19 @@ def test_transparent_colour_key_becomes_white(mode, colour):
   want = Image.alpha_composite(Image.new("RGBA", (6, 5), (255,) * 4), rgba)
   np.testing.assert_array_equal(got, _reference(want, 6))
   assert got[:, -1].min() == 1.0  # the transparent right edge is white, not black
+
+
+@pytest.mark.parametrize("fmt, mime", [("PNG", "image/png"), ("JPEG", "image/jpeg"), ("GIF", "image/gif"),
+                                       ("WEBP", "image/webp")])
+def test_sniff_media_type(fmt, mime):
+  data = _encode(_picture(seed=3), fmt)
+  text = base64.b64encode(data).decode()
+  assert sniff_media_type(text) == mime
+  urlsafe = base64.urlsafe_b64encode(data).decode()
+  assert sniff_media_type("\n ".join(urlsafe[i:i + 5] for i in range(0, 60, 5))) == mime  # wrapped lines
+  # not an image signature, not base64, too short: None (decoding then names the problem)
+  assert sniff_media_type(base64.b64encode(b"BM6\x00\x00\x00\x00\x00" + data).decode()) is None
+  assert sniff_media_type("%%%%" + text) is None and sniff_media_type("") is None
+  # GIF87a's signature and a RIFF container that is not WebP (a WAV file's header)
+  assert sniff_media_type(base64.b64encode(b"GIF87a" + bytes(10)).decode()) == "image/gif"
+  assert sniff_media_type(base64.b64encode(b"RIFF\x24\x00\x00\x00WAVEfmt ").decode()) is None

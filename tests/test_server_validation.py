@@ -7,6 +7,8 @@ custom messages naming the field), so agent middleware keeps reading them.
 serving/errors.py formats the first pydantic error in each vendor's words.
 """
 
+import base64
+import io
 import subprocess
 import sys
 import time
@@ -14,6 +16,7 @@ import types
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from serving import images
 from serving.admission import validate_request
@@ -188,3 +191,25 @@ def test_error_locations_in_each_vendors_style():
   assert "must be a JSON object" in validation_message(not_object, anthropic=False)[0]
   bad_json = [{"type": "json_invalid", "loc": ("body", 1), "msg": "JSON decode error"}]
   assert validation_message(bad_json, anthropic=False)[0].startswith("The request body is not valid JSON")
+
+
+def test_anthropic_image_data_must_match_its_media_type(serve_config):
+  """Anthropic refuses an image whose bytes are not its media_type; the error names the field and
+  the type the data is, before anything is decoded."""
+  buf = io.BytesIO()
+  Image.fromarray(np.random.default_rng(5).integers(0, 256, (7, 5, 3), dtype=np.uint8)).save(buf, "PNG")
+  data = base64.b64encode(buf.getvalue()).decode()
+
+  def body(media_type):
+    image = {"type": "image", "source": {"type": "base64", "media_type": media_type, "data": data}}
+    return {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": [image]}]}
+
+  decoded = []
+  with pytest.raises(InvalidRequest, match=r"messages\.0\.content\.0\.source\.media_type: the image data is "
+                     r"image/png, not image/jpeg; set media_type to 'image/png'"):
+    parse_request(body("image/jpeg"), serving=serve_config.serving, key=b"k",
+                  decode_image=lambda d: decoded.append(d) or images.decode_image(d, 4))
+  assert not decoded
+  parsed = parse_request(body("image/png"), serving=serve_config.serving, key=b"k",
+                         decode_image=lambda d: images.decode_image(d, 4))
+  assert parsed.messages[0].content[0].pixels.shape == (4, 4, 3)
