@@ -80,6 +80,9 @@ class GrainBatches:
   """config.data.pipeline = 'grain': tokenized, prepared shards through the grain pipeline."""
 
   pipeline = "grain"
+  # each process's iterator state indexes its own slice of the shards, so a state written by
+  # another number of processes cannot be resumed (training/loop.py restarts the pipeline)
+  per_process_state = True
 
   def __init__(self, config, workdir: str, mesh: jax.sharding.Mesh, tc: TrainConfig):
     if config.data.packing not in data_lib.PACKINGS:  # before minutes of data preparation
@@ -120,6 +123,7 @@ class ByteBatches:
   """config.data.pipeline = 'bytes': addressed windows of the stdlib's bytes (no iterator state)."""
 
   pipeline = "bytes"
+  per_process_state = False  # batches are addressed by step: any process count resumes exactly
 
   def __init__(self, config, cfg: ModelConfig, mesh: jax.sharding.Mesh, tc: TrainConfig):
     if cfg.vocab_size < 256:

@@ -96,8 +96,10 @@ def read_meta_dict(meta: Any, where: str) -> dict:
   """The user-facing meta: this process's data_state, the rng as a key.
 
   One data state stored for every process alike (the byte and SFT pipelines, RL's sampler: each
-  addressed by step, not by process) resumes exactly on any process count; per-process states
-  (grain's) on another count give data_state None: the pipeline restarts.
+  addressed by step, not by process) resumes exactly on any process count: states that are all
+  equal are handed to every process. Unequal states on another count give data_state None. A
+  pipeline whose states are per process (grain's) must also compare `process_count` with this
+  run's (training/loop.py does): its states are often equal, and still name other documents.
   """
   damaged = f"{where}: item 'meta' is damaged"
   if not isinstance(meta, Mapping):

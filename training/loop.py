@@ -189,8 +189,14 @@ class _Run:
     if self.ckpt.latest_step() is not None:
       meta = self.ckpt.restore(model=self.model, optimizer=self.optimizer)
       self.start = int(meta["step"])
-      if meta["data_state"] is not None or meta["process_count"] == jax.process_count():
-        self.data.set_state(meta["data_state"])  # (else per-process states on another count: restart)
+      if meta["process_count"] != jax.process_count() and self.data.per_process_state:
+        # grain's states index each process's slice: equal states (every process read as many
+        # batches) would still mean other documents on another count
+        logging.warning("the checkpoint's data states were written by %d processes, this run has %d: "
+                        "the %s pipeline restarts instead of resuming exactly", meta["process_count"],
+                        jax.process_count(), self.data.pipeline)
+      elif meta["data_state"] is not None or meta["process_count"] == jax.process_count():
+        self.data.set_state(meta["data_state"])
       if meta.get("rng") is not None:
         self.rng = meta["rng"]
       logging.info("resumed from %s at step %d", self.ckpt.directory, self.start)

@@ -119,6 +119,7 @@ class SFTBatches:
   """Packed SFT rows from config.sft: generated-task oracles and OpenAI-format chat files."""
 
   pipeline = "sft"
+  per_process_state = False  # batches are addressed by step (process 0's rows): any count resumes
 
   def __init__(self, config, mesh: jax.sharding.Mesh, tc, tokenizer, renderer: ChatRenderer,
                ctx: EnvContext, loop: LoopConfig):
