@@ -134,7 +134,10 @@ def select_rows(call: Call, buckets: Sequence[int]) -> tuple[np.ndarray, Call]:
                     call.forced[rows], pick(call.tail), call.max_steps)
 
 
-def _free_run(slot: Any) -> FreeRun | None:
+def _free_run(slot: Any, vocab_size: int) -> FreeRun | None:
+  """The row's FreeRun, checked; None (one step per call, under next_constraint) when it has none, it
+  raises, or it breaks FreeRun's contract (a mask not a bool [<= V] allowing some token, pause_ids not
+  ids): unchecked, such a run failed the whole step and every request running in it."""
   proc = slot.processor
   if proc is None:
     return FreeRun(None, frozenset(), 1 << 30)
@@ -142,7 +145,13 @@ def _free_run(slot: Any) -> FreeRun | None:
   if ask is None:
     return None
   try:
-    return ask()
+    run = ask()
+    if run is None:
+      return None
+    mask = None if run.mask is None else np.asarray(run.mask, bool)
+    if mask is not None and (mask.ndim != 1 or len(mask) > vocab_size or not mask.any()):
+      return None
+    return FreeRun(mask, frozenset(int(t) for t in run.pause_ids), int(run.max_tokens))
   except Exception:  # the one-step path asks next_constraint and fails the row if that raises too
     return None
 
@@ -165,7 +174,7 @@ def run_ahead(rows: Sequence[Any], waiting: int, block: int | None, max_context:
       continue
     if s.pending is None or s.fed < len(s.prompt):
       return None
-    run = _free_run(s)
+    run = _free_run(s, vocab_size)
     if run is None or run.max_tokens < 1:
       return None
     runs[i] = run

@@ -309,15 +309,15 @@ class Engine:
           break
         handle = self._waiting.popleft()
       req = handle.request
-      seed = req.params.seed if req.params.seed is not None else int(self._rng.integers(0, 2**63))
-      slot = Slot(handle, np.asarray(req.prompt_ids, np.int32),
-                   frozenset(req.params.stop_token_ids or self.default_stop_ids), seed % 2**64)
-      if req.record_routing:
-        slot.routing = []
-      try:
+      seed = req.params.seed if req.params.seed is not None else self._rng.integers(0, 2**63)
+      try:  # a failure here (e.g. image encoding) ends this request only, not the others running
+        # int(): numpy seeds and ids (`np.int64(3) % 2**64` overflows; an id array has no truth value)
+        stop_ids = frozenset(int(t) for t in req.params.stop_token_ids) or frozenset(self.default_stop_ids)
+        slot = Slot(handle, np.asarray(req.prompt_ids, np.int32), stop_ids, int(seed) % 2**64)
+        slot.routing = [] if req.record_routing else None
         slot.patches = self._encode_images(req.images)
       except Exception:
-        _log.exception("image encoding failed for %s", handle.id)
+        _log.exception("admitting %s failed", handle.id)
         self._finish_handle(handle, "error", 0)
         continue
       self._rows[i] = slot
