@@ -210,7 +210,9 @@ def stop_reason(processor, finish_reason: str) -> str:
 
 
 def usage_json(usage: Usage) -> dict[str, Any]:
-  """Anthropic usage. No prompt cache exists, so the cache counts are truly 0.
+  """Anthropic usage. The cache counts are 0: they count Anthropic's explicit prompt caching
+  (cache_control breakpoints), which this server does not have; its automatic prefix cache does
+  not change input_tokens (OpenAI's usage reports it as cached_tokens).
 
   output_tokens counts every generated token (thinking included, as on
   Anthropic); output_tokens_details.thinking_tokens counts the tokens inside

@@ -56,6 +56,7 @@ class Slot:
   seed: int
   patches: np.ndarray | None = None  # f32 [m * num_patches, d]: encoded at admission
   fed: int = 0  # prompt tokens prefilled so far
+  cached: int = 0  # prompt tokens loaded from the prefix cache at admission (usage's cached tokens)
   images_fed: int = 0  # image placeholders prefilled so far
   cache_len: int = 0  # tokens in this row's decode state
   generated: list[int] = dataclasses.field(default_factory=list)

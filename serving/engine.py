@@ -467,10 +467,10 @@ class Engine:
     for b in s.chain:  # the prefix cache may evict them now
       b.refs -= 1
     routing = np.concatenate(s.routing).astype(np.int32) if s.routing else None
-    self._finish_handle(s.handle, reason, len(s.generated), token_ids, deltas, logprobs, routing)
+    self._finish_handle(s.handle, reason, len(s.generated), token_ids, deltas, logprobs, routing, s.cached)
 
   def _finish_handle(self, handle: Handle, reason: str, n_generated: int, token_ids=(), deltas=(),
-                     logprobs=(), routing: np.ndarray | None = None) -> None:
+                     logprobs=(), routing: np.ndarray | None = None, cached: int = 0) -> None:
     proc = handle.request.processor
     tail: list[Delta] = []
     thinking = 0
@@ -480,7 +480,7 @@ class Engine:
         thinking = int(getattr(proc, "thinking_tokens", 0) or 0)
       except Exception:
         _log.exception("processor.close failed for %s", handle.id)
-    usage = Usage(len(handle.request.prompt_ids), n_generated, thinking)
+    usage = Usage(len(handle.request.prompt_ids), n_generated, thinking, cached)
     self.metrics.count_request(reason)
     handle._deliver(Event(list(token_ids), list(deltas) + tail, reason, usage, time.time(),
                           list(logprobs), routing))

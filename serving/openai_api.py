@@ -70,13 +70,15 @@ class _Reply:
 
 
 def usage_json(prompt_tokens: int, usages: Sequence[Usage]) -> dict[str, Any]:
-  """OpenAI usage over the choices: the prompt counted once, completions summed."""
+  """OpenAI usage over the choices: the prompt counted once, completions summed; cached tokens are
+  the prompt tokens every choice loaded from the prefix cache (the fewest over the choices)."""
   completion = sum(u.completion_tokens for u in usages)
   reasoning = sum(u.thinking_tokens for u in usages)
+  cached = min((u.cached_tokens for u in usages), default=0)
   return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
           "total_tokens": prompt_tokens + completion,
           "completion_tokens_details": {"reasoning_tokens": reasoning},
-          "prompt_tokens_details": {"cached_tokens": 0}}
+          "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _finish_reason(reason: str) -> str:

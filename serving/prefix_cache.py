@@ -324,7 +324,7 @@ class Prefixer:
     end = len(chain) * pc.block
     cache = self.fns["put_state"](cache, row, chain[-1].state, np.int32(end))
     s.chain = chain
-    s.fed = s.cache_len = end
+    s.fed = s.cache_len = s.cached = end
     s.images_fed = int(np.sum(s.prompt[:end] == self.image_token_id))
     if s.routing is not None:
       s.routing = [b.routing for b in chain]

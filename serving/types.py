@@ -175,7 +175,9 @@ class SamplingParams:
   """temperature 0 = greedy. top_k 0 and top_p 1 disable those filters.
 
   seed: same seed + same request -> same output, whatever else the engine is
-  running (None: the engine draws one). max_tokens counts every generated
+  running, when the engine is batch-invariant (config.serving.batch_invariant; otherwise the
+  last bits of the logits, rarely a token, depend on how many rows decode together; None: the
+  engine draws one). max_tokens counts every generated
   token, thinking included (both APIs define it so).
   """
   max_tokens: int = 256
@@ -188,6 +190,9 @@ class SamplingParams:
 
 @dataclasses.dataclass(frozen=True)
 class Usage:
+  """cached_tokens: prompt tokens loaded from the prefix cache instead of prefilled (a part of
+  prompt_tokens; OpenAI's prompt_tokens_details.cached_tokens)."""
   prompt_tokens: int
   completion_tokens: int
   thinking_tokens: int = 0
+  cached_tokens: int = 0

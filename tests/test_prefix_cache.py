@@ -58,18 +58,21 @@ def _reused(engine):
 def test_repeated_and_extended_prompts_match_the_uncached_engine(engines):
   on, off = engines
   prompt = _prompt(100, 1)
-  first, _, _ = on.generate(Request(prompt, _greedy(40)))
-  assert first == off.generate(Request(prompt, _greedy(40)))[0]
+  first, _, usage = on.generate(Request(prompt, _greedy(40)))
+  assert usage.cached_tokens == 0  # a cold prompt
+  off_ids, _, off_usage = off.generate(Request(prompt, _greedy(40)))
+  assert first == off_ids and off_usage.cached_tokens == 0
   before = _reused(on)
   again, _, usage = on.generate(Request(prompt, _greedy(40)))
   assert again == first
   assert usage.prompt_tokens == 100
   assert _reused(on) - before == 96  # (100 - 1) // 16 blocks: one prompt token is always prefilled
+  assert usage.cached_tokens == 96  # what the usage reports (OpenAI's cached_tokens)
   # The next turn: the prompt, the completion, a new message. Decode steps cached the completion.
   turn2 = prompt + first + _prompt(30, 2)
   before = _reused(on)
-  got = on.generate(Request(turn2, _greedy(40)))[0]
-  assert _reused(on) - before == 128  # 100 prompt + 39 fed generated tokens -> 8 whole blocks
+  got, _, usage = on.generate(Request(turn2, _greedy(40)))
+  assert _reused(on) - before == 128 == usage.cached_tokens  # 100 prompt + 39 fed generated -> 8 blocks
   assert got == off.generate(Request(turn2, _greedy(40)))[0]
 
 

@@ -46,3 +46,25 @@ def test_metrics_route_negotiates_the_format(server_url):
   om = httpx.get(server_url + "/metrics", headers={**auth, "Accept": OPENMETRICS})
   assert om.status_code == 200 and om.headers["content-type"].startswith("application/openmetrics-text")
   assert om.text.endswith("# EOF\n") and "horizon_slots_total 4" in om.text
+
+
+def test_openai_usage_reports_prefix_cached_tokens(server_url, serve_config):
+  """prompt_tokens_details.cached_tokens: the prompt tokens loaded from the prefix cache (was always
+  0). A repeated prompt reuses whole blocks up to at least the last prefill chunk's start (blocks
+  keep a decode-state snapshot where a prefill call ended on a block end), never its last token."""
+  import random
+
+  words = random.Random(11).choices("amber basil cedar delta ember fjord gable hazel".split(), k=20)
+  body = {"model": "horizon-tiny", "max_tokens": 1, "temperature": 0,
+          "messages": [{"role": "user", "content": " ".join(words)}]}
+  auth = {"Authorization": f"Bearer {KEY}"}
+  first, second = (httpx.post(server_url + "/v1/chat/completions", headers=auth, json=body, timeout=120)
+                   for _ in range(2))
+  assert first.status_code == second.status_code == 200, first.text
+  u1, u2 = first.json()["usage"], second.json()["usage"]
+  s = serve_config.serving
+  n, block, chunk = u1["prompt_tokens"], s.prefix_cache_block, s.prefill_chunk
+  cached = u2["prompt_tokens_details"]["cached_tokens"]
+  assert n == u2["prompt_tokens"] > 2 * chunk
+  assert (n - 1) // chunk * chunk <= cached < n and cached % block == 0, (n, cached)
+  assert u1["prompt_tokens_details"]["cached_tokens"] < cached
