@@ -194,7 +194,11 @@ def test_streaming_equals_non_streaming(client):
   assert (content, reasoning, finish) == (msg.content, msg.model_extra["reasoning_content"],
                                           r.choices[0].finish_reason)
   assert calls == {} and n >= 3
-  assert usage.model_dump() == r.usage.model_dump()  # the include_usage chunk (empty choices)
+  # the include_usage chunk (empty choices); the second request reuses the first's cached prefix
+  streamed, whole = usage.model_dump(), r.usage.model_dump()
+  assert streamed["prompt_tokens_details"].pop("cached_tokens") > 0
+  assert whole["prompt_tokens_details"].pop("cached_tokens") < r.usage.prompt_tokens
+  assert streamed == whole
 
 
 def test_raw_sse_framing(server_url):
