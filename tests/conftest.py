@@ -41,6 +41,11 @@ def pytest_configure(config):
   _hang_report.append(os.fdopen(os.dup(2), "w"))
 
 
+def pytest_unconfigure(config):
+  while _hang_report:  # (left open, it was an "unclosed file" ResourceWarning at exit)
+    _hang_report.pop().close()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
   import faulthandler
