@@ -106,6 +106,10 @@ class EnvContext:
   def __post_init__(self):
     self._mounts: set[Path] = set()
     root_is_ours = self.root is None
+    where = Path(tempfile.gettempdir() if root_is_ours else self.root)
+    if ":" in str(where.resolve()):  # before any work: every sandboxed command would fail
+      raise ValueError(f"{'TMPDIR' if root_is_ours else 'config.env.root'}={str(where)!r} contains ':', "
+                       "which the sandbox's bind mount cannot express; choose a directory without ':'.")
     if root_is_ours:  # removed with this context (or at exit)
       self.root = Path(tempfile.mkdtemp(prefix=f"{taskdir.ROOT_PREFIX}{os.getpid()}_"))
     self.root = Path(self.root)

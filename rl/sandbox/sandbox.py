@@ -159,6 +159,10 @@ class Sandbox:
     cwd = Path(cwd).resolve()
     if not cwd.is_dir():
       raise FileNotFoundError(f"sandbox cwd {str(cwd)!r} is not a directory")
+    if ":" in str(cwd) and not self.unsafe:  # nsjail's --bindmount SRC:DST cannot name it
+      raise ValueError(f"sandbox cwd {str(cwd)!r} contains ':', which nsjail's bind mount cannot "
+                       "express; put task directories under a path without ':' (config.env.root, "
+                       "or TMPDIR for the default).")
     timeout_s = self.timeout_s if timeout_s is None else float(timeout_s)
     if self.unsafe:
       cap = self._run_unsafe(command, cwd, timeout_s)

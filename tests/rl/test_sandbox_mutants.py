@@ -191,3 +191,24 @@ def test_format_exec_shows_what_went_wrong():
   assert files.format_exec(slow, 1000) == (
     "exit code: 137\nTIMEOUT: time limit: killed after 2 s of wall time; make the command faster or run "
     "less at once\nstderr:\nerr")
+
+
+def test_a_colon_in_the_task_path_is_refused_by_name(small, unsafe, tmp_path, monkeypatch):
+  """nsjail's --bindmount SRC:DST cannot name a directory with ':' (every command failed, reported
+  as 'nsjail failed to start'); it is refused by name, and the unsafe runner still takes it."""
+  import tempfile
+
+  from rl.envs.base import EnvContext
+
+  odd = tmp_path / "a:b"
+  odd.mkdir()
+  with pytest.raises(ValueError, match=r"sandbox cwd .*a:b' contains ':'"):
+    small.run("echo ok", odd)
+  assert unsafe.run("echo ok", odd).stdout == "ok\n"
+  with pytest.raises(ValueError, match=r"config.env.root=.*a:b/episodes' contains ':'"):
+    EnvContext(root=odd / "episodes")
+  assert not (odd / "episodes").exists()
+  monkeypatch.setattr(tempfile, "tempdir", str(odd))
+  with pytest.raises(ValueError, match=r"TMPDIR=.*a:b' contains ':'"):
+    EnvContext()
+  assert list(odd.iterdir()) == []  # nothing made there
