@@ -10,7 +10,7 @@ Variants:
            (2 Gated DSA + 2 Delta), 8 routed experts, 1 dense FFN layer, DSA
            top-k 16 so sparsity is exercised at test lengths.
   tiny_sharded -- tiny with dims divisible by 8-device meshes (2 layers).
-  small -- CPU demo, ~60M total parameters.
+  small -- CPU demo, ~80M total (~22M active) parameters.
   agent -- agent work on CPU (SFT, RL and evaluation in minutes): the 8192-token
            tokenizer (digit by digit), a 4096-token context (2048 served), 4 layers
            of width 128.

@@ -3,10 +3,10 @@
     python -m experiments.pretrain --config=configs/pretrain.py:tiny --workdir=/tmp/horizon_tiny
     python -m experiments.pretrain --config=configs/pretrain.py:small --workdir=gs://bucket/run \
         --config.train.steps=20000 --config.mesh.fsdp=-1
-    # 8 fake CPU devices, experts over 4 of them, raw-byte data (no tokenizer, no preparation):
+    # 8 fake CPU devices, 2-way data x 4-way expert, raw-byte data (no tokenizer, no preparation):
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m experiments.pretrain \
         --config=configs/pretrain.py:tiny_sharded --workdir=/tmp/horizon_mesh \
-        --config.data.pipeline=bytes --config.mesh.fsdp=1 --config.mesh.expert=4
+        --config.data.pipeline=bytes --config.mesh.data=2 --config.mesh.fsdp=1 --config.mesh.expert=4
 
 Every default lives here or in configs/horizon.py, once.
 """
