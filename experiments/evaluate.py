@@ -36,7 +36,8 @@ _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Checkpoint directory (in-
 _ENDPOINT = flags.DEFINE_string("endpoint", None, "Base URL of an OpenAI/Anthropic-compatible server.")
 _API = flags.DEFINE_enum("api", "openai", ["openai", "anthropic"], "API the endpoint speaks.")
 _MODEL = flags.DEFINE_string("model", None,
-                             "Model name for the endpoint (default: config.serving.model_name).")
+                             "Model name for the endpoint (default: config.serving.model_name if the "
+                             "server lists it at /v1/models, else the one model it lists).")
 _API_KEY = flags.DEFINE_string("api_key", None, "API key for the endpoint.")
 _TASKS = flags.DEFINE_string("tasks", None, "A JSONL task file (instead of the generators).")
 _DOMAINS = flags.DEFINE_list("domains", list(DOMAINS), "Generated tasks: domains.")

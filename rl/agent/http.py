@@ -359,6 +359,31 @@ class _AnthropicSession(Session):
     )
 
 
+def served_model(api: str, base_url: str, api_key: str | None, preferred: str,
+                 timeout_s: float = 30.0) -> str:
+  """The model to ask an endpoint for when none is named: `preferred` (the config's model name) if
+  the server lists it at GET /v1/models (both APIs have the route), else the one model it lists.
+  A server listing several others, or none, is a ValueError naming --model; one that cannot be
+  asked (no such route, down) keeps `preferred`, with a warning."""
+  base = base_url.rstrip("/")
+  base = base[:-3] if base.endswith("/v1") else base
+  headers = {"anthropic-version": "2023-06-01"} if api == "anthropic" else {}
+  if api_key:
+    headers.update({"x-api-key": api_key} if api == "anthropic" else {"Authorization": f"Bearer {api_key}"})
+  try:
+    r = httpx.get(base + "/v1/models", headers=headers, timeout=timeout_s)
+    r.raise_for_status()
+    ids = [m["id"] for m in r.json()["data"]]
+  except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+    _log.warning("%s/v1/models: %s; asking for model %r (set --model to choose)", base, e, preferred)
+    return preferred
+  if preferred in ids:
+    return preferred
+  if len(ids) == 1:
+    return ids[0]
+  raise ValueError(f"{base}/v1/models lists {ids}, not {preferred!r}; choose one with --model.")
+
+
 def make_http_policy(api: str, base_url: str, model: str, api_key: str | None = None, **kw) -> HTTPPolicy:
   """api = 'openai' | 'anthropic'."""
   if api == "openai":

@@ -12,7 +12,7 @@ from typing import Any
 
 from rl.agent.episode import unplayed
 from rl.agent.executor import make_executor
-from rl.agent.http import make_http_policy
+from rl.agent.http import make_http_policy, served_model
 from rl.agent.loop import LoopConfig
 from rl.agent.policy import EnginePolicy, Sampling
 from rl.envs.base import EnvContext
@@ -92,6 +92,8 @@ def run_evaluation(
   # A checkpoint is pinned to the step it has now: a trainer adding steps meanwhile changes
   # neither this run's weights nor what a resume compares against.
   step = read_meta(checkpoint)["step"] if checkpoint and not endpoint else None
+  if endpoint and model is None:  # the model the server lists (GET /v1/models) over the config's name
+    model = served_model(api, endpoint, api_key, config.serving.model_name)
   # What decides an episode besides its (task, tier, sample) key: a resumed run must match it,
   # checked before a model is loaded.
   signature = {

@@ -116,3 +116,30 @@ def test_openai_messages_keep_thinking_and_calls():
                     "tool_calls": [{"id": "call_1", "type": "function",
                                     "function": {"name": "shell", "arguments": '{"command": "ls"}'}}]}
   assert out[2] == {"role": "tool", "tool_call_id": "call_1", "content": "a.txt"}
+
+
+def test_the_served_model_is_asked_for_when_none_is_named(server_url, monkeypatch, caplog):
+  """evaluate --endpoint without --model sent the config's name (horizon-agent) to a server serving
+  another model, and every episode 404ed; the server's /v1/models list decides now."""
+  import httpx
+
+  from rl.agent import http
+
+  for api in ("openai", "anthropic"):
+    assert http.served_model(api, server_url, "test-key", "horizon-agent") == "horizon-tiny"
+    assert http.served_model(api, server_url + "/v1/", "test-key", "horizon-tiny") == "horizon-tiny"
+  with caplog.at_level("WARNING"):  # cannot be asked (here: no key): the config's name, with a warning
+    assert http.served_model("openai", server_url, None, "horizon-agent") == "horizon-agent"
+  assert "/v1/models" in caplog.text and "--model" in caplog.text
+
+  def listing(*ids):
+    return lambda url, headers, timeout: httpx.Response(200, json={"data": [{"id": i} for i in ids]},
+                                                        request=httpx.Request("GET", url))
+
+  monkeypatch.setattr(http.httpx, "get", listing("a", "b"))
+  assert http.served_model("openai", "http://x", None, "b") == "b"
+  with pytest.raises(ValueError, match=r"lists \['a', 'b'\], not 'c'; choose one with --model"):
+    http.served_model("openai", "http://x", None, "c")
+  monkeypatch.setattr(http.httpx, "get", listing())
+  with pytest.raises(ValueError, match="choose one with --model"):
+    http.served_model("anthropic", "http://x", None, "c")
