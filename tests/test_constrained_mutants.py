@@ -13,6 +13,7 @@ import pytest
 from serving.constrained import AnswerConstraint, ToolCallConstraint, build_constraints
 from serving.grammar import JsonMatcher, compile_schema, validate_arguments
 from serving.types import ResponseFormat, Tool, ToolChoice
+from tests.test_grammar import accepts
 from training.tokenizer import default_tokenizer_path, load_tokenizer
 
 REFS = {"type": "object", "$defs": {"t": {"type": "integer", "minimum": 3, "maximum": 7}},
@@ -34,14 +35,6 @@ def feed(tok, c, text) -> bool:
   return True
 
 
-def accepts(tok, schema, text, closed=True) -> bool:
-  m = JsonMatcher(compile_schema(tok, schema, "s", closed=closed))
-  try:
-    for i in tok.encode(text):
-      m.consume(i)
-  except ValueError:
-    return False
-  return m.accepting
 
 
 def test_single_tool_refs_resolve_in_the_call(tok):
