@@ -107,8 +107,7 @@ class HTTPPolicy(Policy):
     timeout_s: float = 600.0,
     retries: int = 3,
   ):
-    base = base_url.rstrip("/")
-    self.base_url = base[:-3] if base.endswith("/v1") else base
+    self.base_url = _base_url(base_url)
     self.model, self.api_key = model, api_key
     self.budgets = dict(thinking_budgets or {"low": 1024, "high": 4096, "max": 16384})
     self.count_tokens = count_tokens
@@ -213,7 +212,7 @@ class _OpenAISession(Session):
     }
     if self.tools:
       body["tools"] = self.tools
-    headers = {"Authorization": f"Bearer {p.api_key}"} if p.api_key else {}
+    headers = api_headers(p.api, p.api_key)
     data = await p.post_turn("/v1/chat/completions", body, headers, "max_completion_tokens")
     if data is None:
       return _full_context_turn()
@@ -331,9 +330,7 @@ class _AnthropicSession(Session):
       budget = min(p.budgets[self.tier], s.max_tokens_per_turn - 1)  # Anthropic: budget < max_tokens
       body["thinking"] = {"type": "enabled", "budget_tokens": max(1, budget)}
       body["output_config"] = {"effort": self.tier}  # the tier stated in the prompt, whatever the budget
-    headers = {"anthropic-version": "2023-06-01"}
-    if p.api_key:
-      headers["x-api-key"] = p.api_key
+    headers = api_headers(p.api, p.api_key)
     data = await p.post_turn("/v1/messages", body, headers, "max_tokens", _anthropic_limited)
     if data is None:
       return _full_context_turn()
@@ -359,19 +356,29 @@ class _AnthropicSession(Session):
     )
 
 
+def _base_url(url: str) -> str:
+  """The server's root: 'http://h:8000', 'http://h:8000/' and 'http://h:8000/v1' alike."""
+  base = url.rstrip("/")
+  return base[:-3] if base.endswith("/v1") else base
+
+
+def api_headers(api: str, api_key: str | None) -> dict[str, str]:
+  """What a request to an `api` ('openai' | 'anthropic') endpoint sends: the key as
+  `Authorization: Bearer` (OpenAI) or `x-api-key` with `anthropic-version` 2023-06-01."""
+  if api == "anthropic":
+    return {"anthropic-version": "2023-06-01", **({"x-api-key": api_key} if api_key else {})}
+  return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 def served_model(api: str, base_url: str, api_key: str | None, preferred: str,
                  timeout_s: float = 30.0) -> str:
   """The model to ask an endpoint for when none is named: `preferred` (the config's model name) if
   the server lists it at GET /v1/models (both APIs have the route), else the one model it lists.
   A server listing several others, or none, is a ValueError naming --model; one that cannot be
   asked (no such route, down) keeps `preferred`, with a warning."""
-  base = base_url.rstrip("/")
-  base = base[:-3] if base.endswith("/v1") else base
-  headers = {"anthropic-version": "2023-06-01"} if api == "anthropic" else {}
-  if api_key:
-    headers.update({"x-api-key": api_key} if api == "anthropic" else {"Authorization": f"Bearer {api_key}"})
+  base = _base_url(base_url)
   try:
-    r = httpx.get(base + "/v1/models", headers=headers, timeout=timeout_s)
+    r = httpx.get(base + "/v1/models", headers=api_headers(api, api_key), timeout=timeout_s)
     r.raise_for_status()
     ids = [m["id"] for m in r.json()["data"]]
   except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
