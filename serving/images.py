@@ -30,18 +30,24 @@ _MODES = {1: "L", 3: "RGB"}
 _DATA_URL = re.compile(r"data:(?P<mime>[^;,]*)(?P<params>(;[^;,]*)*),(?P<data>.*)", re.DOTALL | re.IGNORECASE)
 
 
+def _b64_chars(text: str) -> str:
+  """Base64 text without whitespace, in the standard alphabet (URL-safe '-' and '_' mapped)."""
+  s = re.sub(r"\s+", "", text)
+  return s.replace("-", "+").replace("_", "/") if "-" in s or "_" in s else s
+
+
+def _padded(s: str) -> str:
+  return s + "=" * (-len(s) % 4)
+
+
 def _b64(text: str, where: str, max_bytes: int | None) -> bytes:
   """Standard or URL-safe base64, whitespace and missing padding tolerated; at most max_bytes decoded."""
   if max_bytes is not None and len(text) // 4 * 3 > max_bytes + 3 * 1024:  # whitespace slack
     raise ValueError(f"image is about {len(text) // 4 * 3 / 1e6:.1f} MB, more than the server's limit of "
                      f"{max_bytes / 1e6:.1f} MB per image (config.serving.max_image_bytes); send a "
                      "smaller or more compressed image.")
-  s = re.sub(r"\s+", "", text)
-  if "-" in s or "_" in s:
-    s = s.replace("-", "+").replace("_", "/")
-  s += "=" * (-len(s) % 4)
   try:
-    data = base64.b64decode(s, validate=True)
+    data = base64.b64decode(_padded(_b64_chars(text)), validate=True)
   except (binascii.Error, ValueError) as e:
     raise ValueError(f"{where} is not valid base64 ({e}); send the image file's bytes base64-encoded "
                      "or as a data URL (data:image/png;base64,...).") from None
@@ -61,9 +67,8 @@ _MAGIC = ((b"\x89PNG\r\n\x1a\n", "image/png"), (b"\xff\xd8\xff", "image/jpeg"), 
 def sniff_media_type(data: str) -> str | None:
   """The media type base64 image data starts with (PNG, JPEG, GIF or WebP signature), or None when
   its first bytes are none of them or are not base64 (decoding then says what is wrong)."""
-  head = re.sub(r"\s+", "", data[:256])[:16].replace("-", "+").replace("_", "/")
   try:
-    raw = base64.b64decode(head + "=" * (-len(head) % 4), validate=True)
+    raw = base64.b64decode(_padded(_b64_chars(data[:256])[:16]), validate=True)
   except (binascii.Error, ValueError):
     return None
   if raw[:4] == b"RIFF" and raw[8:12] == b"WEBP":
