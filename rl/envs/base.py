@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from rl.sandbox import taskdir
+from rl.sandbox.sandbox import check_mountable
 from rl.tasks.schema import Task
 from serving.grammar import validate_arguments
 from serving.types import Tool, ToolCall
@@ -107,9 +108,8 @@ class EnvContext:
     self._mounts: set[Path] = set()
     root_is_ours = self.root is None
     where = Path(tempfile.gettempdir() if root_is_ours else self.root)
-    if ":" in str(where.resolve()):  # before any work: every sandboxed command would fail
-      raise ValueError(f"{'TMPDIR' if root_is_ours else 'config.env.root'}={str(where)!r} contains ':', "
-                       "which the sandbox's bind mount cannot express; choose a directory without ':'.")
+    # before any work: every sandboxed command under it would fail
+    check_mountable(where.resolve(), f"{'TMPDIR' if root_is_ours else 'config.env.root'}={str(where)!r}")
     if root_is_ours:  # removed with this context (or at exit)
       self.root = Path(tempfile.mkdtemp(prefix=f"{taskdir.ROOT_PREFIX}{os.getpid()}_"))
     self.root = Path(self.root)

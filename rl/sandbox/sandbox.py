@@ -52,6 +52,14 @@ _DEV_LINKS = (("/proc/self/fd", "/dev/fd"), ("/proc/self/fd/0", "/dev/stdin"),
 _TOP_DIRS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 
 
+def check_mountable(path: Path | str, what: str) -> None:
+  """A ValueError naming `what` when nsjail's --bindmount SRC:DST cannot express `path` (a ':')."""
+  if ":" in str(path):
+    raise ValueError(f"{what} contains ':', which nsjail's bind mount (SRC:DST) cannot express; put "
+                     "task directories under a path without ':' (config.env.root, or TMPDIR for the "
+                     "default).")
+
+
 class SandboxUnavailable(RuntimeError):
   """nsjail cannot run on this machine; the message says why and how to proceed."""
 
@@ -159,10 +167,8 @@ class Sandbox:
     cwd = Path(cwd).resolve()
     if not cwd.is_dir():
       raise FileNotFoundError(f"sandbox cwd {str(cwd)!r} is not a directory")
-    if ":" in str(cwd) and not self.unsafe:  # nsjail's --bindmount SRC:DST cannot name it
-      raise ValueError(f"sandbox cwd {str(cwd)!r} contains ':', which nsjail's bind mount cannot "
-                       "express; put task directories under a path without ':' (config.env.root, "
-                       "or TMPDIR for the default).")
+    if not self.unsafe:
+      check_mountable(cwd, f"sandbox cwd {str(cwd)!r}")
     timeout_s = self.timeout_s if timeout_s is None else float(timeout_s)
     if self.unsafe:
       cap = self._run_unsafe(command, cwd, timeout_s)
