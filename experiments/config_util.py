@@ -1,5 +1,7 @@
 """The `--config=configs/<file>.py:<variant>` flag shared by the launchers (absl glue, no logic)."""
 
+import contextlib
+import os
 import sys
 
 from absl import app, flags
@@ -18,8 +20,10 @@ def define_config_flag(required: bool = True):
 def run_app(main) -> None:
   """`app.run(main)`, except that a bad --config (a typo'd override such as
   `--config.model.num_layer=3`, a wrong type, an unknown variant) ends with its one-line reason
-  and ml_collections' suggestion instead of a 50-line traceback with the hint in the middle, and
-  that a stray positional argument is refused instead of ignored."""
+  and ml_collections' suggestion instead of a 50-line traceback with the hint in the middle, that a
+  stray positional argument is refused instead of ignored, and that a user error raised while it
+  runs (USER_ERRORS: a bad config value, checkpoint, task file...) ends with its one-line
+  message (exit 1; HORIZON_TRACEBACK=1 keeps the traceback)."""
   def parse(argv):
     try:
       return app.parse_flags_with_usage(argv)
@@ -33,8 +37,38 @@ def run_app(main) -> None:
   def checked(argv):
     if len(argv) > 1:  # `--flag false` sets a boolean flag and leaves "false" here, unread
       raise app.UsageError(f"unexpected arguments {argv[1:]}; flags take the form --flag=value")
-    return main(argv)
+    with user_errors_in_one_line():
+      return main(argv)
   app.run(checked, flags_parser=parse)
+
+
+# The errors that mean "the input is wrong" (a config field, a flag, a checkpoint, a data or task
+# file, an endpoint), each raised with a message that names the field and the fix. A launcher ends
+# with that message alone; any other exception keeps its traceback. Named by module so that a
+# launcher imports only what it uses (an error whose module was never imported was never raised).
+USER_ERRORS = (("model.config", "ConfigError"), ("training.checkpoint_meta", "CheckpointError"),
+               ("training.data_sources", "DataError"), ("training.shapes_vqa", "RunArgsError"),
+               ("sharding.mesh", "MeshError"), ("sharding.rules", "ShardingError"),
+               ("rl.tasks.schema", "TaskError"), ("rl.sft.data", "ChatDataError"),
+               ("rl.eval.compare", "CompareError"), ("rl.agent.http", "EndpointError"))
+
+
+def user_error_classes() -> tuple[type[Exception], ...]:
+  """The classes of USER_ERRORS whose modules this process has imported."""
+  found = (getattr(sys.modules.get(module), name, None) for module, name in USER_ERRORS)
+  return tuple(cls for cls in found if cls is not None)
+
+
+@contextlib.contextmanager
+def user_errors_in_one_line():
+  """A user error (USER_ERRORS) raised inside ends the process with its message: exit status 1,
+  `FATAL <class>: <message>` on stderr. Set HORIZON_TRACEBACK=1 to get the traceback instead."""
+  try:
+    yield
+  except user_error_classes() as e:  # the tuple is built when an exception arrives
+    if os.environ.get("HORIZON_TRACEBACK"):
+      raise
+    sys.exit(f"FATAL {type(e).__name__}: {e}\n(HORIZON_TRACEBACK=1 shows where it was raised)")
 
 
 def model_overrides(flag: str = "config", flag_values: flags.FlagValues = flags.FLAGS) -> dict:

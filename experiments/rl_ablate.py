@@ -23,6 +23,9 @@ import re
 
 import numpy as np
 
+from experiments.config_util import user_errors_in_one_line
+from model.config import ConfigError
+
 COLUMNS = ("success", "reward", "abs_dlogp", "rollout_kl", "tis_clip_frac", "clip_frac", "routing_mismatch",
            "entropy", "response_tokens", "groups_dropped", "step_s")
 
@@ -54,11 +57,11 @@ def apply(config, path: str, text: str) -> None:
   node = config
   for name in parents:
     if name not in node:
-      raise ValueError(f"--set {path}: the config has no {name!r} (known: {sorted(node.keys())}).")
+      raise ConfigError(f"--set {path}: the config has no {name!r} (known: {sorted(node.keys())}).")
     node = node[name]
   if leaf not in node:
-    raise ValueError(f"--set {path}: the config has no {leaf!r} under {'.'.join(parents) or 'the root'} "
-                     f"(known: {sorted(node.keys())}).")
+    raise ConfigError(f"--set {path}: the config has no {leaf!r} under {'.'.join(parents) or 'the root'} "
+                      f"(known: {sorted(node.keys())}).")
   node[leaf] = _value(text, node[leaf])
 
 
@@ -69,8 +72,8 @@ def parse_variant(spec: str) -> tuple[str, list[tuple[str, str]]]:
   for knob in knobs:
     key, sep, value = knob.partition("=")
     if not sep:
-      raise ValueError(f"variant {spec!r}: {knob!r} is not <rl knob>=<value> "
-                       "(e.g. grpo+routing_replay=true).")
+      raise ConfigError(f"variant {spec!r}: {knob!r} is not <rl knob>=<value> "
+                        "(e.g. grpo+routing_replay=true).")
     out.append((key if "." in key else f"rl.{key}", value))
   return algorithm, out
 
@@ -109,7 +112,7 @@ def build_runs(args: argparse.Namespace) -> dict[str, tuple]:
     for item in args.set:
       path, sep, value = item.partition("=")
       if not sep:
-        raise ValueError(f"--set {item!r}: write --set=<dotted.path>=<value>.")
+        raise ConfigError(f"--set {item!r}: write --set=<dotted.path>=<value>.")
       apply(config, path, value)
     for path, value in knobs:
       apply(config, path, value)
@@ -149,4 +152,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-  main()
+  with user_errors_in_one_line():
+    main()

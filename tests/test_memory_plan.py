@@ -229,5 +229,5 @@ def test_cli_refuses_flags_validate_ignores():
                            "of this host, for every remat policy); drop them, or drop --validate for the "
                            "memory plan."), got
   assert got["defaults_given"].startswith("UsageError --validate does not use --optimizer ("), got
-  assert got["seq_len"].startswith("ValueError --seq_len=100000 must be in [1, "), got
-  assert got["devices"].startswith("ValueError --devices=0 must be a positive device count"), got
+  assert got["seq_len"].startswith("ConfigError --seq_len=100000 must be in [1, "), got
+  assert got["devices"].startswith("ConfigError --devices=0 must be a positive device count"), got

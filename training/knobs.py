@@ -11,6 +11,8 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
+from model.config import ConfigError
+
 
 def check_int_knobs(section: str, cfg: Any, table: Iterable[tuple[str, int, str]]) -> None:
   """Each (name, lowest, why) of `table`: cfg[name] must be an int >= lowest (bools are not)."""
@@ -18,7 +20,7 @@ def check_int_knobs(section: str, cfg: Any, table: Iterable[tuple[str, int, str]
     value = cfg.get(name)
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
       reason = f" ({why})" if why else ""
-      raise ValueError(f"config.{section}.{name}={value!r}: must be an int >= {low}{reason}.")
+      raise ConfigError(f"config.{section}.{name}={value!r}: must be an int >= {low}{reason}.")
 
 
 def check_nonnegative_numbers(section: str, cfg: Any, names: Iterable[str]) -> None:
@@ -26,4 +28,4 @@ def check_nonnegative_numbers(section: str, cfg: Any, names: Iterable[str]) -> N
   for name in names:
     value = cfg.get(name)
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < math.inf:
-      raise ValueError(f"config.{section}.{name}={value!r}: must be a finite number >= 0.")
+      raise ConfigError(f"config.{section}.{name}={value!r}: must be a finite number >= 0.")

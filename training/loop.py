@@ -71,8 +71,8 @@ def check_loop_config(config) -> None:
   check_int_knobs("checkpoint", config.checkpoint, [("every", 1, ""), ("keep", 1, "")])
   peak = config.metrics.get("peak_flops")
   if not isinstance(peak, (int, float)) or isinstance(peak, bool) or not 0 <= peak < float("inf"):
-    raise ValueError(f"config.metrics.peak_flops={peak!r}: give the peak FLOP/s of one device, or 0 to "
-                     "measure it (CPU) or look it up (known accelerators).")
+    raise ConfigError(f"config.metrics.peak_flops={peak!r}: give the peak FLOP/s of one device, or 0 to "
+                      "measure it (CPU) or look it up (known accelerators).")
 
 
 def check_init_from(config, run_checkpoints: Any) -> None:
@@ -121,8 +121,8 @@ def check_resume(config, cfg: ModelConfig, run_checkpoints: Any,
   step, (section, field) = int(meta["step"]), steps_field.split(".")
   steps = config[section][field]
   if steps < step:
-    raise ValueError(f"config.{steps_field}={steps} is below step {step} of this run's checkpoint "
-                     f"in {run_checkpoints}; raise it to continue the run, or use a new --workdir.")
+    raise ConfigError(f"config.{steps_field}={steps} is below step {step} of this run's checkpoint "
+                      f"in {run_checkpoints}; raise it to continue the run, or use a new --workdir.")
   try:  # the stored config, with fields added since it was written taken from config.model
     before = dataclasses.asdict(stored_model_config(run_checkpoints, config.model, step))
   except ConfigError as e:
@@ -133,10 +133,10 @@ def check_resume(config, cfg: ModelConfig, run_checkpoints: Any,
   changed = [f"{k} (checkpoint {before[k]!r}, now {now[k]!r})" for k in now
              if k not in RESUMABLE_MODEL_FIELDS and before.get(k) != now[k]]
   if changed:
-    raise ValueError(f"config.model differs from the checkpoint this run resumes ({run_checkpoints}, step "
-                     f"{step}): {'; '.join(changed)}. Resume with the checkpoint's values, or train the new "
-                     "model in a new --workdir (--config.checkpoint.init_from can start it from these "
-                     "weights where their shapes agree).")
+    raise ConfigError(f"config.model differs from the checkpoint this run resumes ({run_checkpoints}, step "
+                      f"{step}): {'; '.join(changed)}. Resume with the checkpoint's values, or train the new "
+                      "model in a new --workdir (--config.checkpoint.init_from can start it from these "
+                      "weights where their shapes agree).")
   return meta
 
 
@@ -148,13 +148,14 @@ def check_layout(tc: TrainConfig, cfg: ModelConfig, mesh: jax.sharding.Mesh) -> 
   dimension a mesh axis does not divide failed only after the data was prepared.
   """
   if tc.seq_len > cfg.max_seq_len:
-    raise ValueError(f"config.train.seq_len={tc.seq_len} exceeds config.model.max_seq_len={cfg.max_seq_len}.")
+    raise ConfigError(f"config.train.seq_len={tc.seq_len} exceeds "
+                      f"config.model.max_seq_len={cfg.max_seq_len}.")
   axes = rules_lib.current_rules().batch_axes
   shards = math.prod(mesh.shape.get(a, 1) for a in axes)
   if tc.global_batch % (shards * tc.grad_accum):
-    raise ValueError(f"config.train.global_batch={tc.global_batch} is not divisible by grad_accum="
-                     f"{tc.grad_accum} x the batch mesh axes {axes} (product {shards}) = "
-                     f"{shards * tc.grad_accum}; use a multiple of it.")
+    raise ConfigError(f"config.train.global_batch={tc.global_batch} is not divisible by grad_accum="
+                      f"{tc.grad_accum} x the batch mesh axes {axes} (product {shards}) = "
+                      f"{shards * tc.grad_accum}; use a multiple of it.")
   rules_lib.state_specs(nnx.split(abstract_model(cfg))[1], dict(mesh.shape))  # ShardingError names the dim
 
 
@@ -165,8 +166,8 @@ class _Run:
     self.config, self.workdir = config, workdir
     self.cfg = model_config(config)
     if self.cfg.quantization != "none":
-      raise ValueError(f"config.model.quantization={self.cfg.quantization!r}: training keeps dense weights; "
-                       "train with 'none' and convert the finished checkpoint with experiments.quantize.")
+      raise ConfigError(f"config.model.quantization={self.cfg.quantization!r}: training keeps dense weights; "
+                        "train with 'none' and convert the finished checkpoint with experiments.quantize.")
     self.tc = TrainConfig.from_config(config.train)
     check_loop_config(config)
     check_init_from(config, epath.Path(workdir) / "checkpoints")

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from model.config import ModelConfig
+from model.config import ConfigError, ModelConfig
 from model.decoder import Block, Horizon, abstract_model
 from model.moe import RouterBias
 from sharding import rules as rules_lib
@@ -120,10 +120,10 @@ def local_batch(global_batch: int, micro_batches: int, mesh_shape: Mapping[str, 
   axes = (rules or rules_lib.DEFAULT_RULES).batch_axes
   shards = math.prod(mesh_shape.get(a, 1) for a in axes)
   if global_batch is None or global_batch < 1 or micro_batches < 1:
-    raise ValueError(f"--global_batch={global_batch} and --micro_batches={micro_batches} must be "
-                     "positive integers.")
+    raise ConfigError(f"--global_batch={global_batch} and --micro_batches={micro_batches} must be "
+                      "positive integers.")
   if global_batch % (shards * micro_batches):
-    raise ValueError(
+    raise ConfigError(
         f"--global_batch={global_batch} is not divisible by --micro_batches={micro_batches} x the batch "
         f"mesh axes {axes} of --mesh (product {shards}) = {shards * micro_batches}; choose a global "
         f"batch that is a multiple of {shards * micro_batches}.")
@@ -133,10 +133,10 @@ def local_batch(global_batch: int, micro_batches: int, mesh_shape: Mapping[str, 
 def check_batch_and_seq_len(cfg: ModelConfig, global_batch: int | None, seq_len: int) -> None:
   """Refuses --global_batch < 1 and --seq_len outside [1, max_seq_len] (raises naming the flag)."""
   if global_batch is None or global_batch < 1:
-    raise ValueError(f"--global_batch={global_batch} must be a positive integer (sequences per "
-                     "optimizer step).")
+    raise ConfigError(f"--global_batch={global_batch} must be a positive integer (sequences per "
+                      "optimizer step).")
   if seq_len < 1 or seq_len > cfg.max_seq_len:
-    raise ValueError(f"--seq_len={seq_len} must be in [1, config.model.max_seq_len={cfg.max_seq_len}].")
+    raise ConfigError(f"--seq_len={seq_len} must be in [1, config.model.max_seq_len={cfg.max_seq_len}].")
 
 
 def plan(cfg: ModelConfig, mesh_shape: Mapping[str, int], *, global_batch: int, seq_len: int,
@@ -229,9 +229,9 @@ def check_validate_size(cfg: ModelConfig, batch: int, seq_len: int) -> None:
   need = (3 * state_bytes(cfg, one)["params"]
           + am.model_activation_bytes(cfg, _host_local(batch, seq_len), "none")["total"])
   if need > VALIDATE_LIMIT:
-    raise ValueError(f"--validate skipped: needs {need / GIB:.1f} GiB (params, gradients and "
-                     f"activations on one device) > {VALIDATE_LIMIT / GIB:.0f} GiB; use the tiny or "
-                     "small config or a shorter --seq_len.")
+    raise ConfigError(f"--validate skipped: needs {need / GIB:.1f} GiB (params, gradients and "
+                      f"activations on one device) > {VALIDATE_LIMIT / GIB:.0f} GiB; use the tiny or "
+                      "small config or a shorter --seq_len.")
 
 
 def validate(cfg: ModelConfig, batch: int, seq_len: int,
@@ -274,15 +274,15 @@ def validate_blocks(cfg: ModelConfig, batch: int, seq_len: int) -> dict[str, dic
 def mesh_shape_from_flags(text: str, devices: int | None) -> dict[str, int]:
   """{axis: size} from --mesh text ('data=1,fsdp=64,...'); a -1 axis is resolved with --devices."""
   if devices is not None and devices < 1:  # 0 filled a -1 axis with 0 and divided by it later
-    raise ValueError(f"--devices={devices} must be a positive device count (>= 1), or leave it out "
-                     "and give every --mesh axis a size.")
+    raise ConfigError(f"--devices={devices} must be a positive device count (>= 1), or leave it out "
+                      "and give every --mesh axis a size.")
   mesh = MeshConfig.parse(text)
   sizes = [getattr(mesh, a) for a in MESH_AXES]
   where = f"--mesh={text!r} (--devices={devices})"
   if -1 in sizes:
     if devices is None:
-      raise ValueError(f"--mesh={text!r} has a -1 axis; pass --devices=N to resolve it, or give "
-                       "every axis a size.")
+      raise ConfigError(f"--mesh={text!r} has a -1 axis; pass --devices=N to resolve it, or give "
+                        "every axis a size.")
     sizes = list(mesh.resolve(devices, where=where))
   elif devices is not None:
     mesh.resolve(devices, where=where)  # checks the product

@@ -20,7 +20,7 @@ import numpy as np
 from array_record.python import array_record_module
 from etils import epath
 
-from model.config import model_config
+from model.config import ConfigError, model_config
 from training import data as data_lib
 from training import loop
 from training.batches import tokenizer_for
@@ -94,21 +94,21 @@ def run(config, workdir: str, *, prompt: str, new_tokens: int, temperature: floa
   """
   missing = [s for s in ("data", "metrics", "checkpoint") if s not in config]
   if missing:
-    raise ValueError(f"the config has no {', '.join(missing)} section(s): the quickstart trains, so pass a "
-                     "training config, e.g. --config=configs/pretrain.py:tiny.")
+    raise ConfigError(f"the config has no {', '.join(missing)} section(s): the quickstart trains, so pass a "
+                      "training config, e.g. --config=configs/pretrain.py:tiny.")
   if not prompt:
-    raise ValueError("--prompt is empty: the sampler continues a prompt of at least one token.")
+    raise ConfigError("--prompt is empty: the sampler continues a prompt of at least one token.")
   if config.data.pipeline != "grain":
-    raise ValueError(f"config.data.pipeline={config.data.pipeline!r}: the quickstart compares the "
-                     "loss with the prepared corpus's unigram entropy and samples text, so it needs "
-                     "'grain' (a tokenizer and prepared shards).")
+    raise ConfigError(f"config.data.pipeline={config.data.pipeline!r}: the quickstart compares the "
+                      "loss with the prepared corpus's unigram entropy and samples text, so it needs "
+                      "'grain' (a tokenizer and prepared shards).")
   cfg = model_config(config)
   tokenizer = tokenizer_for(config)
   prompt_ids = tokenizer.encode(prompt)
   if len(prompt_ids) + new_tokens + 1 > cfg.max_seq_len:  # checked before training, not after
-    raise ValueError(f"--new_tokens={new_tokens}: the prompt ({len(prompt_ids)} tokens) + new tokens + 1 "
-                     f"must fit config.model.max_seq_len={cfg.max_seq_len}; use --new_tokens <= "
-                     f"{cfg.max_seq_len - len(prompt_ids) - 1}.")
+    raise ConfigError(f"--new_tokens={new_tokens}: the prompt ({len(prompt_ids)} tokens) + new tokens + 1 "
+                      f"must fit config.model.max_seq_len={cfg.max_seq_len}; use --new_tokens <= "
+                      f"{cfg.max_seq_len - len(prompt_ids) - 1}.")
   t0 = time.perf_counter()
   summary = loop.run(config, workdir)
   entropy = unigram_entropy(summary["prepared_dir"], cfg.vocab_size)

@@ -20,6 +20,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from model.config import ConfigError
 from rl.agent.episode import message_to_json, unplayed
 from rl.agent.executor import Executor
 from rl.agent.loop import DEFAULT_LOOP, LoopConfig, run_episodes
@@ -43,9 +44,9 @@ def parse_tiers(text: str, field: str = "--tiers") -> list[str | None]:
     elif part in ("low", "high", "max"):
       out.append(part)
     else:
-      raise ValueError(f"{field}: unknown tier {part!r}; use low, high, max or off")
+      raise ConfigError(f"{field}: unknown tier {part!r}; use low, high, max or off")
   if not out:
-    raise ValueError(f"{field} is empty; e.g. {field}=low,high,max")
+    raise ConfigError(f"{field} is empty; e.g. {field}=low,high,max")
   return out
 
 
@@ -78,10 +79,10 @@ def read_results(path: str | os.PathLike) -> list[dict[str, Any]]:
 def _jobs(tasks, tiers, samples: int, sampling: Sampling, task_tier_wins: bool):
   """(task, tier, sampling) per episode and its result key, in a fixed order."""
   if samples < 1:
-    raise ValueError(f"samples must be >= 1; got {samples}")
+    raise ConfigError(f"samples must be >= 1; got {samples}")
   ids = [t.id for t in tasks]
   if len(set(ids)) != len(ids):
-    raise ValueError("task ids must be unique within an evaluation")
+    raise ConfigError("task ids must be unique within an evaluation")
   jobs, keys = [], []
   for task in tasks:
     task_tiers = [task.tier] if (task_tier_wins and task.tier) else list(tiers)
@@ -182,9 +183,9 @@ def _check_tasks_unchanged(records: list[dict[str, Any]], wanted: set[str], hash
     if r.get("key") in wanted and "task_hash" in r:
       task_id = r["key"].rsplit("|", 2)[0]
       if r["task_hash"] != hashes[task_id]:
-        raise ValueError(f"{results}: task {task_id!r} has changed since its episode was recorded there "
-                         "(another prompt, answer, files or limits under the same id); evaluate into a new "
-                         "--out, or remove the file to start over.")
+        raise ConfigError(f"{results}: task {task_id!r} has changed since its episode was recorded there "
+                          "(another prompt, answer, files or limits under the same id); evaluate into a new "
+                          "--out, or remove the file to start over.")
 
 
 def signature_path(results: str | os.PathLike) -> Path:
@@ -206,9 +207,9 @@ def check_signature(results: str | os.PathLike, signature: dict[str, Any], *, re
     if old != new:
       diffs = [f"{k}: {old.get(k)!r} there, {new.get(k)!r} now" for k in sorted(set(old) | set(new))
                if old.get(k) != new.get(k)]
-      raise ValueError(f"{results} holds episodes played with other settings ({'; '.join(diffs)}); "
-                       "resuming would mix them. Write to a fresh output directory, or delete the "
-                       "results file and its .signature.json to play every episode again.")
+      raise ConfigError(f"{results} holds episodes played with other settings ({'; '.join(diffs)}); "
+                        "resuming would mix them. Write to a fresh output directory, or delete the "
+                        "results file and its .signature.json to play every episode again.")
     return
   path.parent.mkdir(parents=True, exist_ok=True)
   path.write_text(json.dumps(new, indent=2, sort_keys=True) + "\n", encoding="utf-8")

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from model.config import ConfigError
 from rl.agent.episode import unplayed
 from rl.agent.executor import make_executor
 from rl.agent.http import make_http_policy, served_model
@@ -27,7 +28,7 @@ def generated_tasks(domains: Sequence[str], split: str, difficulty: int, n: int,
   out = []
   for domain in domains:
     if domain not in DOMAINS:
-      raise ValueError(f"--domains: unknown domain {domain!r}; domains: {', '.join(DOMAINS)}")
+      raise ConfigError(f"--domains: unknown domain {domain!r}; domains: {', '.join(DOMAINS)}")
     level = min(difficulty, generators.max_difficulty(domain))
     out += generators.generate(domain, split=split, difficulty=level, n=n, seed=seed)
   return out
@@ -74,7 +75,7 @@ def run_evaluation(
                           ("--temperature", temperature, temperature is None or (
                               isinstance(temperature, (int, float)) and 0 <= temperature < math.inf))):
     if not ok:  # a bad temperature was refused per request, and every episode scored 0
-      raise ValueError(f"{flag}={value!r}: must be " + ("a finite number >= 0 (0: greedy)." if flag ==
+      raise ConfigError(f"{flag}={value!r}: must be " + ("a finite number >= 0 (0: greedy)." if flag ==
                                                         "--temperature" else "an int >= 1."))
   out = Path(out_dir)
   out.mkdir(parents=True, exist_ok=True)

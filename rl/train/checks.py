@@ -16,7 +16,7 @@ from typing import Any
 
 from absl import logging
 
-from model.config import ModelConfig
+from model.config import ConfigError, ModelConfig
 from rl.envs.base import check_env_config
 from rl.eval.harness import parse_tiers
 from rl.sft.data import parse_tier_mix
@@ -70,11 +70,11 @@ def check_run_knobs(rl) -> None:
   check_int_knobs("rl", rl, _RUN_KNOBS)
   check_nonnegative_numbers("rl", rl, ("temperature", "budget_penalty", "adaptive_floor"))
   if rl.temperature == 0:
-    raise ValueError("config.rl.temperature=0: greedy samples of a prompt are all the same episode, so "
-                     "every group ties and gives no gradient; sample at a temperature > 0 (1.0 is usual).")
+    raise ConfigError("config.rl.temperature=0: greedy samples of a prompt are all the same episode, so "
+                      "every group ties and gives no gradient; sample at a temperature > 0 (1.0 is usual).")
   if rl.adaptive and rl.adaptive_floor <= 0:
-    raise ValueError(f"config.rl.adaptive_floor={rl.adaptive_floor!r}: must be > 0 with adaptive=True "
-                     "(the floor keeps every domain drawn while none has shown progress).")
+    raise ConfigError(f"config.rl.adaptive_floor={rl.adaptive_floor!r}: must be > 0 with adaptive=True "
+                      "(the floor keeps every domain drawn while none has shown progress).")
 
 
 def check_rl_config(config) -> RLSettings:
@@ -89,23 +89,23 @@ def check_rl_config(config) -> RLSettings:
     objective = dataclasses.replace(objective,
                                     norm_tokens=int(env.max_tokens_per_turn) * int(env.max_turns))
   if objective.overlong_buffer >= int(env.max_tokens_per_turn):
-    raise ValueError(f"config.rl.overlong_buffer={objective.overlong_buffer} must be below "
-                     f"config.env.max_tokens_per_turn={env.max_tokens_per_turn} (the soft penalty ramps "
-                     "over the last overlong_buffer tokens); lower it.")
+    raise ConfigError(f"config.rl.overlong_buffer={objective.overlong_buffer} must be below "
+                      f"config.env.max_tokens_per_turn={env.max_tokens_per_turn} (the soft penalty ramps "
+                      "over the last overlong_buffer tokens); lower it.")
   if rl.rollout_quantization not in ("none", "experts", "all-linear"):
-    raise ValueError(f"config.rl.rollout_quantization={rl.rollout_quantization!r}: choose none, "
-                     "experts (routed experts in MXFP4) or all-linear.")
+    raise ConfigError(f"config.rl.rollout_quantization={rl.rollout_quantization!r}: choose none, "
+                      "experts (routed experts in MXFP4) or all-linear.")
   if int(rl.pad_multiple) > int(config.serving.max_context):
-    raise ValueError(f"config.rl.pad_multiple={rl.pad_multiple} is above config.serving.max_context="
-                     f"{config.serving.max_context}, the longest an episode can be: every row would be "
-                     "padded past it. Use a divisor of max_context (the preset's is 128).")
+    raise ConfigError(f"config.rl.pad_multiple={rl.pad_multiple} is above config.serving.max_context="
+                      f"{config.serving.max_context}, the longest an episode can be: every row would be "
+                      "padded past it. Use a divisor of max_context (the preset's is 128).")
   mixture = parse_mixture(rl.mixture)
   levels = parse_levels(rl.difficulty, list(mixture))
   eval_tiers = parse_tiers(rl.eval_tiers, "config.rl.eval_tiers")
   if rl.eval_every and not levels:
-    raise ValueError(f"config.rl.eval_every={rl.eval_every}: held-out evaluation draws from the mixture's "
-                     f"generated domains, and config.rl.mixture={rl.mixture!r} has none (task files only); "
-                     "set eval_every=0, or evaluate the checkpoints with experiments.evaluate --tasks=...")
+    raise ConfigError(f"config.rl.eval_every={rl.eval_every}: held-out evaluation draws from the mixture's "
+                      f"generated domains, and config.rl.mixture={rl.mixture!r} has none (task files only); "
+                      "set eval_every=0, or evaluate the checkpoints with experiments.evaluate --tasks=...")
   return RLSettings(objective, parse_tier_mix(rl.tiers, "config.rl.tiers"), mixture, levels, eval_tiers)
 
 
@@ -124,9 +124,9 @@ def check_rl_resume(config, cfg: ModelConfig, run_checkpoints: Any) -> None:
   changed = {k: (before[k], now.get(k)) for k in before if k in now and before[k] != now[k] and k != "steps"}
   drawn = [f"{k} (checkpoint {v[0]!r}, now {v[1]!r})" for k, v in changed.items() if k in DRAW_FIELDS]
   if drawn:
-    raise ValueError(f"config.rl differs from the run this resumes ({run_checkpoints}, step {step}) in what "
-                     f"decides its episodes: {'; '.join(drawn)}. Resume with the checkpoint's values, or "
-                     "start a new --workdir from these weights with --config.checkpoint.init_from.")
+    raise ConfigError(f"config.rl differs from the run this resumes ({run_checkpoints}, step {step}) in what "
+                      f"decides its episodes: {'; '.join(drawn)}. Resume with the checkpoint's values, or "
+                      "start a new --workdir from these weights with --config.checkpoint.init_from.")
   if changed:
     logging.warning("resuming %s at step %d with config.rl changed: %s", run_checkpoints, step,
                     "; ".join(f"{k} {v[0]!r} -> {v[1]!r}" for k, v in changed.items()))

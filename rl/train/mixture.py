@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from model.config import ConfigError
 from rl.tasks import generators
 from rl.tasks.schema import DOMAINS, Task
 from rl.tasks.task_files import load_tasks
@@ -45,21 +46,21 @@ def parse_mixture(text: str) -> dict[str, float]:
       continue
     name, sep, weight = part.rpartition("=")
     if not sep or not name:
-      raise ValueError(f"config.rl.mixture: {part!r} is not source=weight (e.g. 'math=1,terminal=1').")
+      raise ConfigError(f"config.rl.mixture: {part!r} is not source=weight (e.g. 'math=1,terminal=1').")
     try:
       w = float(weight)
     except ValueError:
-      raise ValueError(f"config.rl.mixture: weight {weight!r} of {name!r} is not a number.") from None
+      raise ConfigError(f"config.rl.mixture: weight {weight!r} of {name!r} is not a number.") from None
     if not name.startswith("file:") and name not in DOMAINS:
-      raise ValueError(f"config.rl.mixture: unknown source {name!r}; use a domain ({', '.join(DOMAINS)}) "
-                       "or file:PATH.jsonl.")
+      raise ConfigError(f"config.rl.mixture: unknown source {name!r}; use a domain ({', '.join(DOMAINS)}) "
+                        "or file:PATH.jsonl.")
     if not (math.isfinite(w) and w >= 0):
-      raise ValueError(f"config.rl.mixture: weight of {name!r} is {w}; weights must be finite and >= 0.")
+      raise ConfigError(f"config.rl.mixture: weight of {name!r} is {w}; weights must be finite and >= 0.")
     if name in out:
-      raise ValueError(f"config.rl.mixture: {name} appears twice in {text!r}; give each source once.")
+      raise ConfigError(f"config.rl.mixture: {name} appears twice in {text!r}; give each source once.")
     out[name] = w
   if not out or sum(out.values()) <= 0:
-    raise ValueError(f"config.rl.mixture={text!r}: give at least one source a positive weight.")
+    raise ConfigError(f"config.rl.mixture={text!r}: give at least one source a positive weight.")
   return out
 
 
@@ -72,15 +73,15 @@ def _level_entries(text: str) -> tuple[int | None, dict[str, int]]:
       continue
     name, sep, level = part.rpartition("=")
     if not level.strip().lstrip("-").isdigit():
-      raise ValueError(f"config.rl.difficulty: {part!r} is not an integer level or domain=level.")
+      raise ConfigError(f"config.rl.difficulty: {part!r} is not an integer level or domain=level.")
     if not sep:
       if default is not None:
-        raise ValueError(f"config.rl.difficulty={text!r}: more than one level for every domain; give one.")
+        raise ConfigError(f"config.rl.difficulty={text!r}: more than one level for every domain; give one.")
       default = int(level)
     elif name not in DOMAINS:
-      raise ValueError(f"config.rl.difficulty: unknown domain {name!r}.")
+      raise ConfigError(f"config.rl.difficulty: unknown domain {name!r}.")
     elif name in out:
-      raise ValueError(f"config.rl.difficulty: {name} appears twice in {text!r}; give each domain once.")
+      raise ConfigError(f"config.rl.difficulty: {name} appears twice in {text!r}; give each domain once.")
     else:
       out[name] = int(level)
   return default, out
@@ -94,18 +95,18 @@ def parse_levels(text: str, sources: Sequence[str]) -> dict[str, int]:
   for name in out:
     if name not in generated:
       drawn = ", ".join(generated) or "none"
-      raise ValueError(f"config.rl.difficulty: {name}={out[name]} sets a level for {name}, which "
-                       f"config.rl.mixture does not draw from (its domains: {drawn}); drop it or add "
-                       f"{name} to config.rl.mixture.")
+      raise ConfigError(f"config.rl.difficulty: {name}={out[name]} sets a level for {name}, which "
+                        f"config.rl.mixture does not draw from (its domains: {drawn}); drop it or add "
+                        f"{name} to config.rl.mixture.")
   if default and not generated:  # the default "0" is harmless; a chosen level would go unused
-    raise ValueError(f"config.rl.difficulty={text!r}: config.rl.mixture has no generated domain (file: "
-                     "tasks keep their own levels), so the level would be ignored; drop it.")
+    raise ConfigError(f"config.rl.difficulty={text!r}: config.rl.mixture has no generated domain (file: "
+                      "tasks keep their own levels), so the level would be ignored; drop it.")
   levels = {}
   for s in generated:
     top = generators.max_difficulty(s)
     lvl = out.get(s, default or 0)
     if not 0 <= lvl <= top:
-      raise ValueError(f"config.rl.difficulty: {s} level {lvl} is outside 0..{top}.")
+      raise ConfigError(f"config.rl.difficulty: {s} level {lvl} is outside 0..{top}.")
     levels[s] = lvl
   return levels
 
@@ -120,7 +121,7 @@ class _Stream:
     if source.startswith("file:"):
       self._file = load_tasks(source[len("file:"):])
       if not self._file:
-        raise ValueError(f"config.rl.mixture: {source} holds no tasks.")
+        raise ConfigError(f"config.rl.mixture: {source} holds no tasks.")
 
   def _chunk(self, k: int) -> list[Task]:
     if k not in self._cache:
@@ -200,8 +201,8 @@ class MixtureSampler:
   def set_state(self, state: Mapping[str, Any]) -> None:
     missing = set(self.streams) - set(state.get("positions", {}))
     if missing:
-      raise ValueError(f"the checkpoint's task sampler has no position for {sorted(missing)}: the mixture "
-                       "changed since it was written; resume with the same config.rl.mixture.")
+      raise ConfigError(f"the checkpoint's task sampler has no position for {sorted(missing)}: the mixture "
+                        "changed since it was written; resume with the same config.rl.mixture.")
     for s, st in self.streams.items():
       st.position = int(state["positions"][s])
     self.adaptive.fast = {k: float(v) for k, v in state.get("fast", {}).items()}

@@ -41,6 +41,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from model.config import ConfigError
+
 ALGORITHMS = ("grpo", "dr_grpo", "dapo", "gspo", "rloo")
 ADVANTAGES = ("group_norm", "group_mean", "loo")
 RATIOS = ("token", "sequence")
@@ -73,7 +75,7 @@ class Objective:
     for name, allowed in (("advantage", ADVANTAGES), ("ratio", RATIOS), ("aggregation", AGGREGATIONS),
                           ("kl", KLS), ("kl_place", KL_PLACES)):
       if getattr(self, name) not in allowed:
-        raise ValueError(f"config.rl.{name}={getattr(self, name)!r}: choose one of {', '.join(allowed)}.")
+        raise ConfigError(f"config.rl.{name}={getattr(self, name)!r}: choose one of {', '.join(allowed)}.")
     self._check_ranges()
     self._check_knobs_take_effect()
 
@@ -84,31 +86,32 @@ class Objective:
       value = getattr(self, name)
       if not value >= 0 or (name not in ("eps_high", "tis_cap") and not math.isfinite(value)):
         bound = ">= 0 (inf: no cap)" if name in ("eps_high", "tis_cap") else "a finite number >= 0"
-        raise ValueError(f"config.rl.{name}={value!r}: must be {bound}.")
+        raise ConfigError(f"config.rl.{name}={value!r}: must be {bound}.")
     if self.eps_low >= 1:
-      raise ValueError(f"config.rl.eps_low={self.eps_low}: must be < 1 (the ratio's lower clip 1 - eps_low).")
+      raise ConfigError(f"config.rl.eps_low={self.eps_low}: must be < 1 "
+                        "(the ratio's lower clip 1 - eps_low).")
     if not 0 < self.adv_eps < math.inf:  # not a config.rl knob: (r - mean) / (std + adv_eps)
-      raise ValueError(f"Objective.adv_eps={self.adv_eps!r}: must be finite and > 0 (a group whose rewards "
-                       "all tie has std 0).")
+      raise ConfigError(f"Objective.adv_eps={self.adv_eps!r}: must be finite and > 0 (a group whose rewards "
+                        "all tie has std 0).")
     if self.overlong_buffer < 0 or self.norm_tokens < 0:
-      raise ValueError("config.rl.overlong_buffer and config.rl.norm_tokens must be >= 0.")
+      raise ConfigError("config.rl.overlong_buffer and config.rl.norm_tokens must be >= 0.")
 
   def _check_knobs_take_effect(self):
     """A knob that the other knobs switch off would be accepted and silently do nothing."""
     if self.kl != "none" and self.kl_coef == 0:
-      raise ValueError(f"config.rl.kl={self.kl!r} with config.rl.kl_coef=0: the KL term would have no "
-                       "effect (yet the reference model is still built and scored every step); set "
-                       "config.rl.kl_coef > 0 (e.g. 0.05) or config.rl.kl=none.")
+      raise ConfigError(f"config.rl.kl={self.kl!r} with config.rl.kl_coef=0: the KL term would have no "
+                        "effect (yet the reference model is still built and scored every step); set "
+                        "config.rl.kl_coef > 0 (e.g. 0.05) or config.rl.kl=none.")
     if self.kl == "none" and self.kl_coef > 0:
-      raise ValueError(f"config.rl.kl_coef={self.kl_coef} with config.rl.kl='none': there is no KL term "
-                       "to weight; set config.rl.kl=k1 or k3, or drop kl_coef.")
+      raise ConfigError(f"config.rl.kl_coef={self.kl_coef} with config.rl.kl='none': there is no KL term "
+                        "to weight; set config.rl.kl=k1 or k3, or drop kl_coef.")
     if self.kl == "none" and self.kl_place != "in_loss":
-      raise ValueError(f"config.rl.kl_place={self.kl_place!r} with config.rl.kl='none': there is no KL "
-                       "term to place; set config.rl.kl=k1 or k3, or drop kl_place.")
+      raise ConfigError(f"config.rl.kl_place={self.kl_place!r} with config.rl.kl='none': there is no KL "
+                        "term to place; set config.rl.kl=k1 or k3, or drop kl_place.")
     if self.norm_tokens and self.aggregation != "constant":
-      raise ValueError(f"config.rl.norm_tokens={self.norm_tokens} is used only by "
-                       f"config.rl.aggregation='constant' (this objective's is {self.aggregation!r}); drop "
-                       "it or set config.rl.aggregation=constant.")
+      raise ConfigError(f"config.rl.norm_tokens={self.norm_tokens} is used only by "
+                        f"config.rl.aggregation='constant' (this objective's is {self.aggregation!r}); drop "
+                        "it or set config.rl.aggregation=constant.")
 
 
 PRESETS: Mapping[str, Mapping[str, Any]] = {
@@ -129,20 +132,20 @@ PRESETS: Mapping[str, Mapping[str, Any]] = {
 def objective(algorithm: str, **overrides: Any) -> Objective:
   """The preset of `algorithm` with `overrides` (None values keep the preset's)."""
   if algorithm not in PRESETS:
-    raise ValueError(f"config.rl.algorithm={algorithm!r}: choose one of {', '.join(ALGORITHMS)}.")
+    raise ConfigError(f"config.rl.algorithm={algorithm!r}: choose one of {', '.join(ALGORITHMS)}.")
   unknown = set(overrides) - {f.name for f in dataclasses.fields(Objective)}
   if unknown:
-    raise ValueError(f"unknown objective knob(s) {sorted(unknown)}; knobs: "
-                     f"{', '.join(f.name for f in dataclasses.fields(Objective))}.")
+    raise ConfigError(f"unknown objective knob(s) {sorted(unknown)}; knobs: "
+                      f"{', '.join(f.name for f in dataclasses.fields(Objective))}.")
   overrides = {k: v for k, v in overrides.items() if v is not None}
   obj = Objective(**{**PRESETS[algorithm], **overrides})
   # Objective's default overlong_penalty (1.0) waits for an overlong_buffer; one the run sets
   # while the buffer is 0 would do nothing.
   if overrides.get("overlong_penalty", 0) > 0 and obj.overlong_buffer == 0:
-    raise ValueError(f"config.rl.overlong_penalty={overrides['overlong_penalty']} with "
-                     f"config.rl.overlong_buffer=0 ({algorithm}): the penalty ramps over the last "
-                     "overlong_buffer tokens before the limit, so it would never apply; set "
-                     "config.rl.overlong_buffer > 0 (e.g. 64) or drop overlong_penalty.")
+    raise ConfigError(f"config.rl.overlong_penalty={overrides['overlong_penalty']} with "
+                      f"config.rl.overlong_buffer=0 ({algorithm}): the penalty ramps over the last "
+                      "overlong_buffer tokens before the limit, so it would never apply; set "
+                      "config.rl.overlong_buffer > 0 (e.g. 64) or drop overlong_penalty.")
   return obj
 
 
