@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import fastapi
 
+from model.config import ConfigError
 from serving import signing
 from serving.api_common import EFFORT_TIERS
 from serving.chat import ChatRenderer
@@ -48,19 +49,19 @@ class Limits:
     for name in ("max_context", "default_max_tokens", "max_body_bytes", "max_image_bytes",
                  "max_image_pixels"):
       if getattr(self, name) < 1:
-        raise ValueError(f"config.serving.{name}={getattr(self, name)!r}: must be a positive int.")
+        raise ConfigError(f"config.serving.{name}={getattr(self, name)!r}: must be a positive int.")
     for name in ("max_images", "max_tools"):
       if getattr(self, name) < 0:
-        raise ValueError(f"config.serving.{name}={getattr(self, name)!r}: must be an int >= 0.")
+        raise ConfigError(f"config.serving.{name}={getattr(self, name)!r}: must be an int >= 0.")
     tiers = sorted({t for t in EFFORT_TIERS.values() if t})
     bad = {t: self.thinking_budgets.get(t) for t in tiers
            if not isinstance(self.thinking_budgets.get(t), int) or self.thinking_budgets[t] < 0}
     if bad:
-      raise ValueError(f"config.serving.thinking_budgets: {bad} must be ints >= 0 (tokens of thinking "
-                       f"per tier; every tier of {tiers} needs one).")
+      raise ConfigError(f"config.serving.thinking_budgets: {bad} must be ints >= 0 (tokens of thinking "
+                        f"per tier; every tier of {tiers} needs one).")
     if self.default_effort not in EFFORT_TIERS:
-      raise ValueError(f"config.serving.default_effort={self.default_effort!r}: choose one of "
-                       f"{list(EFFORT_TIERS)}.")
+      raise ConfigError(f"config.serving.default_effort={self.default_effort!r}: choose one of "
+                        f"{list(EFFORT_TIERS)}.")
 
   @classmethod
   def from_config(cls, serving: Any) -> Limits:

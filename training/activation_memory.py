@@ -43,7 +43,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from model.config import ModelConfig
+from model.config import ConfigError, ModelConfig
 from sharding import expert_parallel
 
 BACKENDS = ("tpu", "gpu", "cpu")
@@ -126,7 +126,7 @@ class Local:
     if self.seqs < 1 or self.seq_len < 1:
       raise ValueError(f"Local: seqs={self.seqs} and seq_len={self.seq_len} must be >= 1.")
     if self.backend not in BACKENDS:
-      raise ValueError(f"--backend={self.backend!r}: choose one of {BACKENDS}.")
+      raise ConfigError(f"--backend={self.backend!r}: choose one of {BACKENDS}.")
     if self.exchange not in ("ragged", "capacity"):
       raise ValueError(f"exchange={self.exchange!r}: choose 'ragged' or 'capacity' "
                        "(resolve 'auto' with resolve_exchange first).")
@@ -432,7 +432,7 @@ def model_activation_bytes(cfg: ModelConfig, loc: Local, remat: str) -> dict:
   'peak_block_top' (its largest buffers: [(name, bytes)])}.
   """
   if remat not in ("none", "full", "save_dots"):
-    raise ValueError(f"--remat={remat!r}: choose 'none', 'full' or 'save_dots'.")
+    raise ConfigError(f"--remat={remat!r}: choose 'none', 'full' or 'save_dots'.")
   blocks = block_layers(cfg, loc)
   head = lm_head(cfg, loc)
   x_in = loc.tokens * cfg.d_model * _dt(cfg, loc)

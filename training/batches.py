@@ -26,7 +26,7 @@ from absl import logging
 from etils import epath
 from jax.experimental import multihost_utils
 
-from model.config import ModelConfig
+from model.config import ConfigError, ModelConfig
 from sharding.rules import activation_spec
 from training import byte_corpus
 from training import data as data_lib
@@ -62,8 +62,8 @@ def prepare_data(config, workdir: str, tokenizer) -> dict:
 def _local_batch(tc: TrainConfig) -> int:
   n = jax.process_count()
   if tc.global_batch % n:
-    raise ValueError(f"config.train.global_batch={tc.global_batch} is not divisible by the "
-                     f"{n} processes; each process loads global_batch / processes rows.")
+    raise ConfigError(f"config.train.global_batch={tc.global_batch} is not divisible by the "
+                      f"{n} processes; each process loads global_batch / processes rows.")
   return tc.global_batch // n
 
 
@@ -86,7 +86,7 @@ class GrainBatches:
 
   def __init__(self, config, workdir: str, mesh: jax.sharding.Mesh, tc: TrainConfig):
     if config.data.packing not in data_lib.PACKINGS:  # before minutes of data preparation
-      raise ValueError(f"config.data.packing={config.data.packing!r}: choose one of {data_lib.PACKINGS}.")
+      raise ConfigError(f"config.data.packing={config.data.packing!r}: choose one of {data_lib.PACKINGS}.")
     self.config, self.workdir, self.mesh, self.tc = config, workdir, mesh, tc
     self.tokenizer = tokenizer_for(config)
     self.manifest = prepare_data(config, workdir, self.tokenizer)
@@ -127,11 +127,11 @@ class ByteBatches:
 
   def __init__(self, config, cfg: ModelConfig, mesh: jax.sharding.Mesh, tc: TrainConfig):
     if cfg.vocab_size < 256:
-      raise ValueError(f"config.model.vocab_size={cfg.vocab_size}: config.data.pipeline='bytes' "
-                       "needs >= 256 ids (one per byte).")
+      raise ConfigError(f"config.model.vocab_size={cfg.vocab_size}: config.data.pipeline='bytes' "
+                        "needs >= 256 ids (one per byte).")
     seed = config.data.shuffle_seed
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:  # numpy's generator needs >= 0
-      raise ValueError(f"config.data.shuffle_seed={seed!r}: the bytes pipeline needs an int >= 0.")
+      raise ConfigError(f"config.data.shuffle_seed={seed!r}: the bytes pipeline needs an int >= 0.")
     self.mesh, self.tc, self.seed = mesh, tc, seed
     self.corpus = byte_corpus.load_stdlib_bytes()
 
@@ -167,4 +167,4 @@ def make_batches(config, workdir: str, cfg: ModelConfig, mesh: jax.sharding.Mesh
     return GrainBatches(config, workdir, mesh, tc)
   if pipeline == "bytes":
     return ByteBatches(config, cfg, mesh, tc)
-  raise ValueError(f"config.data.pipeline={pipeline!r}: choose one of {PIPELINES}.")
+  raise ConfigError(f"config.data.pipeline={pipeline!r}: choose one of {PIPELINES}.")

@@ -42,6 +42,8 @@ import tiktoken
 import tokenizers
 from etils import epath
 
+from model.config import ConfigError
+
 _log = logging.getLogger(__name__)
 
 SPECIAL_TOKENS: tuple[str, ...] = (
@@ -332,12 +334,12 @@ def tokenizer_from_bytes(data: bytes, path: str = "<bytes>", model_vocab_size: i
     backend = _TiktokenBackend(_parse_rank_file(data, path), name=Path(path).stem or "horizon")
   tok = Tokenizer(backend, path, fingerprint)
   if model_vocab_size is not None and tok.vocab_size > model_vocab_size:
-    raise ValueError(f"config.model.vocab_size={model_vocab_size} is smaller than the tokenizer's "
-                     f"{tok.vocab_size} ids ({path}); raise it or use a smaller tokenizer.")
+    raise ConfigError(f"config.model.vocab_size={model_vocab_size} is smaller than the tokenizer's "
+                      f"{tok.vocab_size} ids ({path}); raise it or use a smaller tokenizer.")
   if image_token_id is not None and tok.image_id != image_token_id:
-    raise ValueError(f"config.model.image_token_id={image_token_id} but the tokenizer's <|image|> is "
-                     f"{tok.image_id} ({path}); set config.model.image_token_id={tok.image_id} or use "
-                     "the tokenizer trained for this config.")
+    raise ConfigError(f"config.model.image_token_id={image_token_id} but the tokenizer's <|image|> is "
+                      f"{tok.image_id} ({path}); set config.model.image_token_id={tok.image_id} or use "
+                      "the tokenizer trained for this config.")
   return tok
 
 

@@ -53,6 +53,7 @@ import optax
 from flax import nnx
 
 from model.attention.dsa import GatedDSA
+from model.config import ConfigError
 from model.moe import find_moe_modules, update_router_biases
 from training import leaf_groups
 from training.knobs import check_nonnegative_numbers
@@ -87,24 +88,24 @@ class TrainConfig:
     d = dict(train_cfg.items()) if hasattr(train_cfg, "items") else dict(train_cfg)
     names = {f.name for f in dataclasses.fields(cls)}
     if set(d) != names:
-      raise ValueError(f"config.train: unknown fields {sorted(set(d) - names)}, missing fields "
-                       f"{sorted(names - set(d))}.")
+      raise ConfigError(f"config.train: unknown fields {sorted(set(d) - names)}, missing fields "
+                        f"{sorted(names - set(d))}.")
     for f in ("steps", "global_batch", "seq_len"):
       if not isinstance(d[f], int) or d[f] < 1:
-        raise ValueError(f"config.train.{f}={d[f]!r}: must be a positive int.")
+        raise ConfigError(f"config.train.{f}={d[f]!r}: must be a positive int.")
     if not isinstance(d["learning_rate"], (int, float)) or not 0 < d["learning_rate"] < math.inf:
-      raise ValueError(f"config.train.learning_rate={d['learning_rate']!r}: must be a finite number > 0.")
+      raise ConfigError(f"config.train.learning_rate={d['learning_rate']!r}: must be a finite number > 0.")
     # A negative router_bias_rate reverses load balancing; NaN in any of them poisons the step.
     check_nonnegative_numbers("train", d, ("z_loss_weight", "seq_aux_weight", "indexer_loss_weight",
                                            "router_bias_rate"))
     if not isinstance(d["grad_accum"], int) or d["grad_accum"] < 1:
-      raise ValueError(f"config.train.grad_accum={d['grad_accum']!r}: must be a positive int.")
+      raise ConfigError(f"config.train.grad_accum={d['grad_accum']!r}: must be a positive int.")
     if d["global_batch"] % d["grad_accum"]:
-      raise ValueError(f"config.train.global_batch={d['global_batch']} is not divisible by "
-                       f"config.train.grad_accum={d['grad_accum']}.")
+      raise ConfigError(f"config.train.global_batch={d['global_batch']} is not divisible by "
+                        f"config.train.grad_accum={d['grad_accum']}.")
     if not isinstance(d["group_max_elements"], int) or d["group_max_elements"] < 0:
-      raise ValueError(f"config.train.group_max_elements={d['group_max_elements']!r}: must be an int "
-                       ">= 0 (0: no leaf groups).")
+      raise ConfigError(f"config.train.group_max_elements={d['group_max_elements']!r}: must be an int "
+                        ">= 0 (0: no leaf groups).")
     warmup_ok = isinstance(d["warmup_steps"], int) and d["warmup_steps"] >= 0
     for f, ok, rule in (("warmup_steps", warmup_ok, "an int >= 0"),
                         ("b1", 0 <= d["b1"] < 1, "in [0, 1)"), ("b2", 0 <= d["b2"] < 1, "in [0, 1)"),
@@ -112,9 +113,9 @@ class TrainConfig:
                         ("end_lr_fraction", 0 <= d["end_lr_fraction"] <= 1, "in [0, 1]"),
                         ("grad_clip", d["grad_clip"] >= 0, ">= 0 (0: no clipping)")):
       if not ok:
-        raise ValueError(f"config.train.{f}={d[f]!r}: must be {rule}.")
+        raise ConfigError(f"config.train.{f}={d[f]!r}: must be {rule}.")
     if d["nan_policy"] not in ("stop", "skip"):
-      raise ValueError(f"config.train.nan_policy={d['nan_policy']!r}: choose 'stop' or 'skip'.")
+      raise ConfigError(f"config.train.nan_policy={d['nan_policy']!r}: choose 'stop' or 'skip'.")
     return cls(**d)
 
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import httpx
 
+from model.config import ConfigError
 from rl.agent.policy import Completion, Policy, Sampling, Session
 from serving.types import Message, TextPart, Tool, ToolCall
 
@@ -397,4 +398,4 @@ def make_http_policy(api: str, base_url: str, model: str, api_key: str | None = 
     return OpenAIPolicy(base_url, model, api_key, **kw)
   if api == "anthropic":
     return AnthropicPolicy(base_url, model, api_key, **kw)
-  raise ValueError(f"--api={api!r}: expected 'openai' or 'anthropic'")
+  raise ConfigError(f"--api={api!r}: expected 'openai' or 'anthropic'")
