@@ -4,6 +4,7 @@ count. The real end-to-end resume is tests/test_pretrain.py (slow)."""
 
 import contextlib
 import json
+import time
 import types
 
 import jax
@@ -121,10 +122,16 @@ def test_build_restores_step_rng_and_data_state(monkeypatch):
   assert r.data.restored == []
 
 
+class _SlowData(_Data):
+  def batch(self, step):
+    time.sleep(0.2)
+    return super().batch(step)
+
+
 def test_step_metrics_count_every_token_of_the_global_batch(monkeypatch):
   r = object.__new__(loop._Run)
   r.tc = types.SimpleNamespace(global_batch=6, seq_len=11, nan_policy="stop")
-  r.data, r.model, r.optimizer, r.names = _Data(), "model", "opt", ["w"]
+  r.data, r.model, r.optimizer, r.names = _SlowData(), "model", "opt", ["w"]
   raw = {"loss": jnp.float32(2.75), "ce": jnp.float32(2.5), "tokens": jnp.float32(61.0),
          "grad_norm": jnp.float32(0.625), "learning_rate": jnp.float32(3e-4), "finite": jnp.bool_(True),
          "grad_finite": jnp.array([True]), "param_finite": jnp.array([True])}
@@ -135,6 +142,8 @@ def test_step_metrics_count_every_token_of_the_global_batch(monkeypatch):
   assert out["tokens_per_s"] * out["step_seconds"] == pytest.approx(66.0)  # 6 rows x 11 tokens
   assert out["mfu"] == pytest.approx(100.0 * out["tokens_per_s"] / 1e9)
   assert out["learning_rate"] == pytest.approx(3e-4) and out["loss_tokens"] == 61.0
+  # The batch's wait is data_seconds; the train step's time (tokens/s, MFU) leaves it out.
+  assert 0.2 <= out["data_seconds"] < 5 and out["step_seconds"] < 0.2
 
 
 def test_per_process_states_restart_on_another_process_count(monkeypatch, caplog):

@@ -214,6 +214,7 @@ class _Run:
 
   def step(self, step: int, flops_train: float, peak: float) -> dict[str, Any]:
     tc = self.tc
+    t_data = time.perf_counter()
     batch = self.data.batch(step)
     t0 = time.perf_counter()
     raw = jit_train_step(self.model, self.optimizer, batch, tc)
@@ -225,11 +226,15 @@ class _Run:
         raise FloatingPointError(problem)
       logging.warning("%s", problem)
     host = {k: host_value(v) for k, v in raw.items() if k not in ("grad_finite", "param_finite")}
-    return metrics_lib.derive_metrics(
+    out = metrics_lib.derive_metrics(
         host, step_seconds=seconds, tokens=tc.global_batch * tc.seq_len,
         flops_per_token_train=flops_train, peak_flops=peak,
         learning_rate=float(host["learning_rate"]),
         router_bias_norm=metrics_lib.router_bias_norm(self.model))
+    # step_seconds (and tokens/s, MFU) time the train step alone; a data pipeline that cannot
+    # keep up shows here, not there.
+    out["data_seconds"] = t0 - t_data
+    return out
 
 
 def run(config, workdir: str, make_batches: BatchFactory | None = None) -> dict[str, Any]:
