@@ -40,17 +40,20 @@ from serving.types import FreeRun
 def compile_decode_loop(graphdef: nnx.GraphDef, steps: int) -> Callable:
   """jit(decode_loop)(state, cache, rows int32 [B], tokens [B], active bool [B], budget int32 [B], stop
   bool [B, V], temperature, top_k, top_p, mask bool [B, V], forced int32 [B], seed_lo, seed_hi,
-  n_generated, max_steps int32 []) -> (tokens int32 [B, K], logprobs f32 [B, K], counts int32 [B],
+  n_generated, max_steps int32 [], yield_on_stop bool []) -> (tokens int32 [B, K], logprobs f32 [B, K],
+  counts int32 [B],
   routed int32 [B, K, moe layers, k] or None, cache), K = `steps`. The call computes B of the
   cache's S rows: row j of every [B] input and output is the cache's row `rows[j]` (distinct; B = S
   computes the cache in place, B < S gathers those rows and writes them back, one program per B).
   At most max_steps <= K steps; row j produced counts[j] tokens (its first counts[j] columns) and
-  stops after one in its `stop` row or at its budget; forced (>= 0) replaces a row's draw
+  stops after one in its `stop` row or at its budget; with yield_on_stop the call ends after the
+  step at which the first row stops (the others keep their state and pending token); forced (>= 0)
+  replaces a row's draw
   (one-step calls only); routed[j, i]: the experts of the token fed at step i (the pending one,
   then each sampled one but the last). The decode state is donated."""
 
   def decode_loop(state, cache, rows_in, tokens, active, budget, stop, temperature, top_k, top_p, mask,
-                  forced, seed_lo, seed_hi, n_generated, max_steps):
+                  forced, seed_lo, seed_hi, n_generated, max_steps, yield_on_stop):
     model = nnx.merge(graphdef, state)
     s = tokens.shape[0]
     whole = s == jax.tree.leaves(cache)[0].shape[0]  # B = S: every row, in place
@@ -72,11 +75,14 @@ def compile_decode_loop(graphdef: nnx.GraphDef, steps: int) -> Callable:
       stopped = stop[rows, new] | (count >= budget)
       return i + 1, cache, jnp.where(live, new, fed), live & ~stopped, count, out_t, out_lp, out_r
 
+    live0 = active & (budget > 0)
+
     def cond(carry):
-      return (carry[0] < jnp.minimum(max_steps, steps)) & jnp.any(carry[3])
+      one_stopped = jnp.any(live0 & ~carry[3])
+      return (carry[0] < jnp.minimum(max_steps, steps)) & jnp.any(carry[3]) & ~(yield_on_stop & one_stopped)
 
     routed0 = jnp.zeros((s, steps, n_moe, model.cfg.experts_per_token) if n_moe else (0,), jnp.int32)
-    init = (jnp.int32(0), cache, tokens, active & (budget > 0), jnp.zeros((s,), jnp.int32),
+    init = (jnp.int32(0), cache, tokens, live0, jnp.zeros((s,), jnp.int32),
             jnp.full((s, steps), -1, jnp.int32), jnp.zeros((s, steps), jnp.float32), routed0)
     _, cache, _, _, count, out_t, out_lp, out_r = jax.lax.while_loop(cond, body, init)
     if not whole:
@@ -93,19 +99,21 @@ def input_specs(slots: int, vocab_size: int) -> tuple:
   i32, f32, u32, b = ((slots,), jnp.int32), ((slots,), jnp.float32), ((slots,), jnp.uint32), ((slots,), bool)
   table = ((slots, vocab_size), bool)
   # rows, tokens, active, budget, stop, temperature, top_k, top_p, mask, forced, seed_lo, seed_hi,
-  # n_generated, max_steps
+  # n_generated, max_steps, yield_on_stop
   return tuple(spec(*a) for a in (i32, i32, b, i32, table, f32, i32, f32, table, i32, u32, u32, u32,
-                                  ((), jnp.int32)))
+                                  ((), jnp.int32), ((), bool)))
 
 
 class Call(NamedTuple):
-  """One decode call's host inputs: program(state, cache, *head, mask, forced, *tail, max_steps)."""
+  """One decode call's host inputs: program(state, cache, *head, mask, forced, *tail, max_steps,
+  yield_on_stop)."""
   head: tuple  # tokens, active, budget, stop [S, V]
   sampling: tuple  # temperature, top_k, top_p
   mask: np.ndarray | None  # bool [S, V]; None: no row constrained
   forced: np.ndarray  # int32 [S], -1: none
   tail: tuple  # seed_lo, seed_hi, n_generated
   max_steps: int
+  yield_on_stop: bool = False  # end the call when its first row stops (a request waits for a slot)
 
 
 def row_buckets(slots: int, batch_invariant: bool) -> tuple[int, ...]:
@@ -131,7 +139,7 @@ def select_rows(call: Call, buckets: Sequence[int]) -> tuple[np.ndarray, Call]:
     rows = np.concatenate([live, np.flatnonzero(~active)[:b - len(live)]]).astype(np.int32)
   pick = lambda xs: tuple(x[rows] for x in xs)  # noqa: E731
   return rows, Call(pick(call.head), pick(call.sampling), None if call.mask is None else call.mask[rows],
-                    call.forced[rows], pick(call.tail), call.max_steps)
+                    call.forced[rows], pick(call.tail), call.max_steps, call.yield_on_stop)
 
 
 def _free_run(slot: Any, vocab_size: int) -> FreeRun | None:
@@ -160,13 +168,16 @@ def run_ahead(rows: Sequence[Any], waiting: int, block: int | None, max_context:
               steps: int, open_row: np.ndarray | None = None) -> Call | None:
   """A call of up to `steps` steps for the engine's rows, or None (a row needs the host each token).
 
-  Eligible: no request waiting for a slot and no row prefilling (either would wait K tokens), and
-  every decoding row's processor, if any, promising a free run of at least one token (`FreeRun`).
+  Eligible: no row prefilling (it would wait K tokens) and every decoding row's processor, if any,
+  promising a free run of at least one token (`FreeRun`). While requests wait for a slot (every
+  slot busy), the call ends at the first row that stops (`yield_on_stop`), so a finished row's slot
+  is taken at the same token as with one step per call; a free slot with a request waiting (it came
+  after this iteration's admission) gives None: one step, then the next iteration admits it.
   block: the prefix cache's block when it caches decoded blocks (it snapshots a row's state where
   the row stands on a block's end), so a row's run stops at its next block end; None: no limit.
   open_row: bool [V], what a row without a mask may sample (batch.constraints); None: every id.
   """
-  if waiting or steps < 2:
+  if steps < 2 or (waiting and any(s is None for s in rows)):
     return None
   runs: dict[int, FreeRun] = {}
   for i, s in enumerate(rows):
@@ -195,7 +206,7 @@ def run_ahead(rows: Sequence[Any], waiting: int, block: int | None, max_context:
       mask[i] = False
       mask[i, :len(m)] = np.asarray(m, bool)
   return _call(rows, budget, {i: run.pause_ids for i, run in runs.items()}, mask,
-               np.full(len(rows), -1, np.int32), vocab_size, steps)
+               np.full(len(rows), -1, np.int32), vocab_size, steps, yield_on_stop=waiting > 0)
 
 
 def one_step(rows: Sequence[Any], decoding: Sequence[int], mask: np.ndarray | None, forced: np.ndarray,
@@ -206,7 +217,7 @@ def one_step(rows: Sequence[Any], decoding: Sequence[int], mask: np.ndarray | No
 
 
 def _call(rows, budget: dict[int, int], pauses: dict[int, frozenset[int]], mask, forced, vocab_size: int,
-          max_steps: int) -> Call:
+          max_steps: int, yield_on_stop: bool = False) -> Call:
   n = len(rows)
   tokens, budgets = np.zeros(n, np.int32), np.zeros(n, np.int32)
   active, stop = np.zeros(n, bool), np.zeros((n, vocab_size), bool)
@@ -216,7 +227,7 @@ def _call(rows, budget: dict[int, int], pauses: dict[int, frozenset[int]], mask,
     stop[i, [t for t in s.stop_ids | pauses.get(i, frozenset()) if 0 <= t < vocab_size]] = True
   temp, top_k, top_p, lo, hi, n_gen = sampling_args(rows, list(budget))
   return Call((tokens, active, budgets, stop), (temp, top_k, top_p), mask, forced, (lo, hi, n_gen),
-              max_steps)
+              max_steps, yield_on_stop)
 
 
 def row_budget(max_tokens: int, generated: int, prompt: int, max_context: int) -> int:

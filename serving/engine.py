@@ -399,7 +399,7 @@ class Engine:
     mask = self._all_allowed[len(rows)] if call.mask is None else jax.device_put(call.mask)
     tokens, logprobs, counts, routed, self._cache = self._fns["decode_loop"](
         self._state, self._cache, rows, *call.head, *call.sampling, mask, call.forced, *call.tail,
-        np.int32(call.max_steps))
+        np.int32(call.max_steps), np.bool_(call.yield_on_stop))
     tokens, logprobs, counts, routed = jax.device_get((tokens, logprobs, counts, routed))
     pc = self._prefixer
     for r in np.flatnonzero(counts):

@@ -32,7 +32,7 @@ def engines():
   calls, program = [], ahead._fns["decode_loop"]
 
   def logged(*args):
-    calls.append(int(args[-1]))  # max_steps
+    calls.append(int(args[-2]))  # max_steps (then yield_on_stop)
     return program(*args)
   ahead._fns["decode_loop"] = logged
   # One step per call for `one` (run_ahead's own rule: steps < 2).
@@ -148,6 +148,36 @@ def test_stop_ids_end_rows_inside_a_run(engines):
   assert all(g[2] == "stop" and len(g[0]) <= 6 for g in got)
 
 
+def test_runs_ahead_while_requests_wait_for_a_slot(engines):
+  """Seven requests, four slots: while requests wait, calls still run up to K steps (they were one
+  step each) and end at the step where their first row stops, so a freed slot is taken at the same
+  token as with one step per call. Tokens and log-probs bitwise as one step per call."""
+  ahead, _, _ = engines
+  log, program = [], ahead._fns["decode_loop"]
+
+  def logged(*args):
+    out = program(*args)
+    log.append((int(args[-2]), bool(args[-1]), [int(c) for c in np.asarray(out[2]) if c]))
+    return out
+  lengths = (5, 9, 14, 20, 7, 11, 6)
+
+  def requests():
+    return [Request(_prompt(8 + i, 60 + i), SamplingParams(max_tokens=m, temperature=0.0))
+            for i, m in enumerate(lengths)]
+  ahead._fns["decode_loop"] = logged
+  try:
+    got, _ = _both(engines, requests)
+  finally:
+    ahead._fns["decode_loop"] = program
+  assert tuple(len(g[0]) for g in got) == lengths
+  waited = [counts for steps, yields, counts in log if yields]
+  assert len(waited) >= 3 and all(steps == STEPS for steps, yields, _ in log if yields)
+  assert max(max(c) for c in waited) > 1  # ran ahead while requests waited
+  # Every row live at a call's start runs until the first one stops, then the call ends: equal counts.
+  assert all(len(set(c)) == 1 for c in waited), waited
+  assert not log[-1][1]  # the queue drained: the last calls run ahead without yielding
+
+
 def _chat(tok, budget, stop=()):
   return OutputProcessor(tok, thinking=True, thinking_budget=budget, stop=stop)
 
@@ -237,7 +267,10 @@ def test_run_ahead_eligibility():
   ok = [_Slot(), None]
   assert _ahead(ok) is not None
   assert _ahead(ok, steps=1) is None
-  assert _ahead(ok, waiting=1) is None  # a request waits for a slot
+  assert not _ahead(ok).yield_on_stop
+  assert _ahead(ok, waiting=1) is None  # a request came after admission and a slot is free: admit it
+  busy = _ahead([_Slot(), _Slot()], waiting=3)  # every slot busy: run ahead, end where one stops
+  assert busy is not None and busy.yield_on_stop and busy.max_steps == 8
   assert _ahead([None, None]) is None
   assert _ahead([_Slot(fed=2), _Slot()]) is None  # still prefilling
   assert _ahead([_Slot(pending=None)]) is None
@@ -268,7 +301,8 @@ def test_run_ahead_inputs():
   assert temp[0] == np.float32(0.5) and top_k[2] == 3 and top_p[0] == np.float32(0.8)
   # The engine's argument order (Engine._decode) matches the specs serving/weights traces with.
   rows_b, c = decode_loop.select_rows(c, (3,))
-  args = (rows_b, *c.head, *c.sampling, c.mask, c.forced, *c.tail, np.int32(c.max_steps))
+  args = (rows_b, *c.head, *c.sampling, c.mask, c.forced, *c.tail, np.int32(c.max_steps),
+          np.bool_(c.yield_on_stop))
   specs = decode_loop.input_specs(3, 16)
   assert [(a.shape, np.dtype(a.dtype)) for a in args] == [(x.shape, np.dtype(x.dtype)) for x in specs]
 
@@ -288,6 +322,8 @@ def test_select_rows_takes_the_smallest_bucket_live_rows_first():
   picked, sub = decode_loop.select_rows(c, (2, 4, 5))
   np.testing.assert_array_equal(picked, [1, 3])
   assert picked.dtype == np.int32 and sub.mask is None and sub.max_steps == c.max_steps
+  assert sub.yield_on_stop == c.yield_on_stop is False
+  assert decode_loop.select_rows(c._replace(yield_on_stop=True), (2, 4, 5))[1].yield_on_stop
   for full, part in zip((*c.head, *c.sampling, c.forced, *c.tail), (*sub.head, *sub.sampling, sub.forced,
                                                                       *sub.tail), strict=True):
     np.testing.assert_array_equal(part, full[picked])  # every per-row input, stop table included

@@ -321,10 +321,12 @@ def test_overloaded(engine):
 
 
 def test_cancel_frees_the_slot(engine):
-  long = [engine.submit(Request(_prompt(6, 20 + j), _params(max_tokens=80))) for j in range(SLOTS)]
+  bos = [engine.tokenizer.special_id("bos")]  # the only stop id: the long ones run their 80 tokens
+  long = [engine.submit(Request(_prompt(6, 20 + j), _params(max_tokens=80, stop_token_ids=bos)))
+          for j in range(SLOTS)]
   late = engine.submit(Request(_prompt(7, 30), _params(max_tokens=5)))
   waiting = engine.submit(Request(_prompt(7, 31), _params(max_tokens=5)))
-  for _ in range(4):
+  for _ in range(2):  # prefill, then one decode call (up to decode_steps tokens: a request waits)
     engine.step()
   assert engine.metrics.slots_used.value() == SLOTS and engine.metrics.queue_length.value() == 2
   waiting.cancel()
