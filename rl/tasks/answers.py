@@ -5,7 +5,8 @@ The conventions every task file relies on (math, web, docqa, cad):
     text (never the thinking), else the whole final text;
   * surrounding whitespace, quotes and one trailing full stop are dropped, case is ignored;
   * numbers (thousands separators, `$`, `%` removed; `3/4` = 0.75) compare numerically:
-    math exactly (relative 1e-9; integers compare as integers), docqa within the task's
+    math exactly (relative 1e-9; a whole number given for an integer answer, `1234`, `1,234`,
+    `1234.0`, `1.234e3`, compares as an integer), docqa within the task's
     relative tolerance (absolute when the expected answer is 0);
   * spaces are dropped only next to `$`, `%` and a sign (`$ 12`, `45 %`, `- 3`): `12 34` is not
     1234;
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import math
 import re
+from decimal import Decimal
 from fractions import Fraction
 
 MATH_REL_TOL = 1e-9
@@ -78,7 +80,12 @@ def parse_number(text: str | int | float) -> float | None:
   m = _FRACTION.match(s)
   if m:
     num, den = int(m.group(1)), int(m.group(2))
-    return float(Fraction(num, den)) if den != 0 else None
+    if den == 0:
+      return None
+    try:
+      return float(Fraction(num, den))
+    except OverflowError:  # hundreds of digits: past the largest float, like '1e400'
+      return None
   if _DECIMAL.match(s):
     value = float(s)
     return value if math.isfinite(value) else None
@@ -94,6 +101,23 @@ def _is_integer(text: str | int | float) -> bool:
     return False
   s = _bare(text)
   return bool(re.fullmatch(r"[+-]?\d+", s) or _THOUSANDS.match(s) and "." not in s)
+
+
+def _whole_value(text: str) -> Decimal | Fraction | None:
+  """The exact value of the number written in `text` ('1,234', '1234.0', '1.2e3', '6/3') when it
+  is a whole number, else None. Never converts to int: '0e99999999' must stay cheap."""
+  s = _bare(text)
+  if _THOUSANDS.match(s):
+    s = s.replace(",", "")
+  m = _FRACTION.match(s)
+  if m:
+    den = int(m.group(2))
+    value = Fraction(int(m.group(1)), den) if den != 0 else None
+    return value if value is not None and value.denominator == 1 else None
+  if _DECIMAL.match(s):
+    value = Decimal(s)
+    return value if value == value.to_integral_value() else None
+  return None
 
 
 def _as_int(text: str | int) -> int:
@@ -121,7 +145,9 @@ def answers_match(given: str, expected: str | int | float, rel_tol: float = MATH
   if want is not None:
     got = parse_number(given)
     if got is not None:
-      if rel_tol <= MATH_REL_TOL and _is_integer(given) and _is_integer(expected):
-        return _as_int(given) == _as_int(expected)  # "exactly": 10**10 + 1 is not 10**10
+      if rel_tol <= MATH_REL_TOL and _is_integer(expected):
+        whole = _whole_value(given)
+        if whole is not None:  # "exactly": 10**10 + 1, or 10000000001.0, is not 10**10
+          return whole == _as_int(expected)
       return numbers_close(got, want, rel_tol)
   return normalize(given) == normalize(str(expected))
