@@ -12,6 +12,7 @@ state with this run's config before the data is built again, naming each field t
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -57,7 +58,7 @@ def sft_levels(spec: str, domain: str) -> list[int]:
     raise ValueError(f"config.sft.difficulties={spec!r} is empty; e.g. '0' or '0,1' or 'all'.")
   levels = []
   for part in parts:
-    if not part.lstrip("-").isdigit():
+    if not re.fullmatch(r"-?[0-9]+", part):  # not isdigit(): '--1' and '²' passed it, then int() failed
       raise ValueError(f"config.sft.difficulties={spec!r}: {part!r} is not an integer level; e.g. '0', "
                        "'0,1' or 'all'.")
     level = int(part)

@@ -202,7 +202,7 @@ def load_chat_jsonl(path: str | Path) -> Iterator[tuple[list[Message], list[Tool
   if not path.is_file():
     raise FileNotFoundError(f"SFT data file {str(path)!r} does not exist")
   try:
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:  # -sig: a byte order mark (Notepad's) is not text
       lines = list(enumerate(f, 1))
   except UnicodeDecodeError as e:
     raise ChatDataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8 "
@@ -213,8 +213,9 @@ def load_chat_jsonl(path: str | Path) -> Iterator[tuple[list[Message], list[Tool
     where = f"{path}:{lineno}"
     try:
       obj = json.loads(line)
-    except json.JSONDecodeError as e:
-      raise ChatDataError(f"{where}: not valid JSON ({e.msg}); one conversation object per line") from None
+    except (ValueError, RecursionError) as e:  # also a number of 4301+ digits, arrays nested 1e5 deep
+      msg = e.msg if isinstance(e, json.JSONDecodeError) else str(e).split(";")[0]
+      raise ChatDataError(f"{where}: not valid JSON ({msg}); one conversation object per line") from None
     messages, tools, untrained = parse_chat(obj, where)
     yield messages, tools, untrained, where
 

@@ -125,14 +125,11 @@ class Task:
 # ---- field checks -------------------------------------------------------------------------
 
 
+_TYPE_NAMES = {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer", float: "number"}
+
+
 def _type_name(v: Any) -> str:
-  return (
-    "null"
-    if v is None
-    else {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer", float: "number"}.get(
-      type(v), type(v).__name__
-    )
-  )
+  return "null" if v is None else _TYPE_NAMES.get(type(v), type(v).__name__)
 
 
 def _need(cond: bool, where: str, field: str, expected: str, got: Any) -> None:
@@ -146,7 +143,10 @@ def _short(v: Any) -> str:
 
 
 def _is_number(v: Any) -> bool:
-  return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+  try:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+  except OverflowError:  # an integer past float's range (a JSON 1 followed by 400 zeros)
+    return False
 
 
 def _is_length(v: Any) -> bool:
@@ -155,38 +155,31 @@ def _is_length(v: Any) -> bool:
 
 def _string(obj: Mapping, key: str, where: str, *, nonempty: bool = False, command: bool = False) -> str:
   v = obj[key]
-  _need(
-    isinstance(v, str) and (bool(v.strip()) or not nonempty),
-    where,
-    key,
-    "a non-empty string" if nonempty else "a string",
-    v,
-  )
+  _need(isinstance(v, str) and (bool(v.strip()) or not nonempty), where, key,
+        "a non-empty string" if nonempty else "a string", v)
   _encodable(v, where, key)
   if command and "\x00" in v:
     raise TaskError(where, key, "contains a NUL byte, which no shell command line can hold; remove it")
   return v
 
 
-def _encodable(v: str, where: str, field: str) -> None:
-  """Refuses a string that cannot be written as UTF-8 (a lone surrogate from a JSON `\\ud800`
-  escape): it would pass here and fail when the task is set up, written out or tokenized."""
+def _encodable(v: Any, where: str, field: str) -> None:
+  """Refuses a string (or a JSON value holding one) that cannot be written as UTF-8 (a lone surrogate
+  from a JSON `\\ud800` escape): it would pass here and fail when the task is set up, written out or
+  tokenized."""
+  text = v if isinstance(v, str) else json.dumps(v, ensure_ascii=False, default=str)
   try:
-    v.encode("utf-8")
+    text.encode("utf-8")
   except UnicodeEncodeError as e:
-    raise TaskError(where, field, f"holds {v[e.start:e.end]!r} at character {e.start}, which is not valid "
+    at = f" at character {e.start}" if isinstance(v, str) else ""
+    raise TaskError(where, field, f"holds {text[e.start:e.end]!r}{at}, which is not valid "
                     "Unicode text (a lone surrogate); write the character itself or drop it") from None
 
 
 def _answer(obj: Mapping, where: str) -> str | int | float:
   v = obj["answer"]
-  _need(
-    (isinstance(v, str) and bool(v.strip())) or _is_number(v),
-    where,
-    "answer",
-    "a non-empty string or a finite number",
-    v,
-  )
+  _need((isinstance(v, str) and bool(v.strip())) or _is_number(v), where, "answer",
+        "a non-empty string or a finite number", v)
   if isinstance(v, str):
     _encodable(v, where, "answer")
   return v
@@ -197,7 +190,7 @@ def check_relative_path(path: Any, where: str, field: str) -> str:
   _need(isinstance(path, str) and bool(path), where, field, "a non-empty path string", path)
   _encodable(path, where, field)
   norm = posixpath.normpath(path)
-  if path.startswith("/") or norm == "." or norm.startswith("..") or "\\" in path or "\x00" in path:
+  if path.startswith("/") or norm == "." or (norm + "/").startswith("../") or "\\" in path or "\x00" in path:
     raise TaskError(
       where,
       field,
@@ -223,6 +216,11 @@ def _files(obj: Mapping, key: str, where: str, *, required: bool = True) -> dict
       raise TaskError(where, f"{key}[{path!r}]", f"is the same file as {given[norm]!r} ({norm!r}); "
                       "give each file once")
     out[norm], given[norm] = content, path
+  for norm, path in given.items():  # written out, the file would replace the directory or vice versa
+    inside = [norm[:i] for i, c in enumerate(norm) if c == "/" and norm[:i] in out]
+    if inside:
+      raise TaskError(where, f"{key}[{path!r}]", f"lies inside {given[inside[0]]!r}, which is a file; a path "
+                      "is a file or a directory, not both")
   return out
 
 
@@ -264,21 +262,11 @@ def validate_solid(node: Any, where: str, field: str = "target", depth: int = 0)
       at,
     )
   if kind == "box":
-    _need(
-      isinstance(arg, list) and len(arg) == 3 and all(map(_is_length, arg)),
-      where,
-      sub,
-      f"[sx, sy, sz]: 3 edge lengths {span}",
-      arg,
-    )
+    _need(isinstance(arg, list) and len(arg) == 3 and all(map(_is_length, arg)), where, sub,
+          f"[sx, sy, sz]: 3 edge lengths {span}", arg)
   elif kind == "cylinder":
-    _need(
-      isinstance(arg, list) and len(arg) == 2 and all(map(_is_length, arg)),
-      where,
-      sub,
-      f"[radius, height], both {span}",
-      arg,
-    )
+    _need(isinstance(arg, list) and len(arg) == 2 and all(map(_is_length, arg)), where, sub,
+          f"[radius, height], both {span}", arg)
   elif kind == "sphere":
     _need(_is_length(arg), where, sub, f"a radius {span} (a number)", arg)
   else:
@@ -474,6 +462,9 @@ def parse_task(obj: Any, where: str = "task") -> Task:
     raise TaskError(where, "tier", f"must be one of {', '.join(TIERS)}; got {_short(tier)}")
   meta = obj.get("meta", {})
   _need(isinstance(meta, dict), where, "meta", "an object", meta)
+  for key in ("oracle", "meta", "pages"):  # strings inside them: valid Unicode
+    if key in obj:
+      _encodable(obj[key], where, key)
   oracle = _oracle(obj["oracle"], where) if "oracle" in obj else None
   return Task(
     id=task_id,
