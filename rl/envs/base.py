@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
+from model.config import ConfigError
 from rl.sandbox import taskdir
 from rl.sandbox.sandbox import check_mountable
 from rl.tasks.schema import Task
@@ -74,10 +75,10 @@ def check_env_config(env) -> None:
   check_int_knobs("env", env, _ENV_MINIMUMS)
   timeout = env.get("command_timeout_s")
   if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout < float("inf"):
-    raise ValueError(f"config.env.command_timeout_s={timeout!r}: must be a finite number of seconds > 0 "
-                     "(the wall-time limit of one tool call).")
+    raise ConfigError(f"config.env.command_timeout_s={timeout!r}: must be a finite number of seconds > 0 "
+                      "(the wall-time limit of one tool call).")
   if env.get("executor") not in ("thread", "ray"):
-    raise ValueError(f"config.env.executor={env.get('executor')!r}: choose 'thread' or 'ray'.")
+    raise ConfigError(f"config.env.executor={env.get('executor')!r}: choose 'thread' or 'ray'.")
 
 
 @dataclasses.dataclass

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from model.config import ConfigError
 from rl.sft import data as sft
 from rl.tasks import generators
 from training.knobs import check_int_knobs
@@ -30,8 +31,8 @@ def _items(text: str, field: str) -> list[str]:
   out: list[str] = []
   for part in (p.strip() for p in str(text).split(",")):
     if part and part in out:
-      raise ValueError(f"config.sft.{field}={text!r}: {part!r} appears twice; give each once (twice "
-                       "would train on its examples twice while the counts say once).")
+      raise ConfigError(f"config.sft.{field}={text!r}: {part!r} appears twice; give each once (twice "
+                        "would train on its examples twice while the counts say once).")
     if part:
       out.append(part)
   return out
@@ -42,8 +43,8 @@ def sft_domains(s: Any) -> list[str]:
   domains = _items(s.domains, "domains")
   for domain in domains:
     if domain not in generators.DOMAINS:
-      raise ValueError(f"config.sft.domains: unknown domain {domain!r}; domains: "
-                       f"{', '.join(generators.DOMAINS)} (comma-separated).")
+      raise ConfigError(f"config.sft.domains: unknown domain {domain!r}; domains: "
+                        f"{', '.join(generators.DOMAINS)} (comma-separated).")
   return domains
 
 
@@ -55,16 +56,16 @@ def sft_levels(spec: str, domain: str) -> list[int]:
     return list(range(top + 1))
   parts = _items(spec, "difficulties")
   if not parts:
-    raise ValueError(f"config.sft.difficulties={spec!r} is empty; e.g. '0' or '0,1' or 'all'.")
+    raise ConfigError(f"config.sft.difficulties={spec!r} is empty; e.g. '0' or '0,1' or 'all'.")
   levels = []
   for part in parts:
     if not re.fullmatch(r"-?[0-9]+", part):  # not isdigit(): '--1' and '²' passed it, then int() failed
-      raise ValueError(f"config.sft.difficulties={spec!r}: {part!r} is not an integer level; e.g. '0', "
-                       "'0,1' or 'all'.")
+      raise ConfigError(f"config.sft.difficulties={spec!r}: {part!r} is not an integer level; e.g. '0', "
+                        "'0,1' or 'all'.")
     level = int(part)
     if not 0 <= level <= top:
-      raise ValueError(f"config.sft.difficulties={spec!r}: level {level} is outside {domain}'s levels "
-                       f"0..{top}; give levels every domain in config.sft.domains has, or 'all'.")
+      raise ConfigError(f"config.sft.difficulties={spec!r}: level {level} is outside {domain}'s levels "
+                        f"0..{top}; give levels every domain in config.sft.domains has, or 'all'.")
     levels.append(level)
   return sorted(levels)
 
@@ -88,18 +89,18 @@ def check_sft_config(config: Any) -> None:
   if s.chat_tier and s.chat_tier not in CHAT_TIERS:
     off = " ('' already renders a conversation without reasoning_content with thinking off)" \
         if s.chat_tier == "off" else ""
-    raise ValueError(f"config.sft.chat_tier={s.chat_tier!r}: give one of {', '.join(CHAT_TIERS)}, or '' for "
-                     f"'max' where a conversation thinks and thinking off where it does not{off}.")
+    raise ConfigError(f"config.sft.chat_tier={s.chat_tier!r}: give one of {', '.join(CHAT_TIERS)}, or '' for "
+                      f"'max' where a conversation thinks and thinking off where it does not{off}.")
   if s.tiers and not domains:
-    raise ValueError(f"config.sft.tiers={s.tiers!r} draws tiers for generated tasks' oracles, but "
-                     "config.sft.domains is empty; set it, or clear tiers (chat files: "
-                     "config.sft.chat_tier).")
+    raise ConfigError(f"config.sft.tiers={s.tiers!r} draws tiers for generated tasks' oracles, but "
+                      "config.sft.domains is empty; set it, or clear tiers (chat files: "
+                      "config.sft.chat_tier).")
   if s.chat_tier and not chat_paths(s):
-    raise ValueError(f"config.sft.chat_tier={s.chat_tier!r} states the tier of chat files, but "
-                     "config.sft.chat_files is empty; set it, or clear chat_tier.")
+    raise ConfigError(f"config.sft.chat_tier={s.chat_tier!r} states the tier of chat files, but "
+                      "config.sft.chat_files is empty; set it, or clear chat_tier.")
   if not domains and not chat_paths(s):
-    raise ValueError("config.sft.domains and config.sft.chat_files are both empty: nothing to train on; "
-                     "set either (e.g. --config.sft.domains=math).")
+    raise ConfigError("config.sft.domains and config.sft.chat_files are both empty: nothing to train on; "
+                      "set either (e.g. --config.sft.domains=math).")
 
 
 # ---- the data's identity, for resume ------------------------------------------------------
@@ -148,14 +149,14 @@ def check_data_state(state: Any, identity: Mapping[str, Any]) -> None:
   'data' key) passes here; `SFTBatches.set_state` still compares its seed and row count.
   """
   if not (isinstance(state, dict) and state.get("pipeline") == "sft"):
-    raise ValueError(NOT_SFT)
+    raise ConfigError(NOT_SFT)
   stored = state.get("data")
   if not isinstance(stored, dict):
     return
   changed = [f"config.{k} (checkpoint {stored[k]!r}, now {identity[k]!r})"  # fields both versions have
              for k in sorted(set(stored) & set(identity)) if stored[k] != identity[k]]
   if changed:
-    raise ValueError(f"this run resumes an SFT checkpoint whose data came from another config: "
-                     f"{'; '.join(changed)}. Resume with the checkpoint's values, or train on the new data "
-                     "in a new --workdir (--config.checkpoint.init_from=<this workdir>/checkpoints starts it "
-                     "from these weights).")
+    raise ConfigError(f"this run resumes an SFT checkpoint whose data came from another config: "
+                      f"{'; '.join(changed)}. Resume with the checkpoint's values, or train on the new "
+                      "data in a new --workdir (--config.checkpoint.init_from=<this workdir>/checkpoints "
+                      "starts it from these weights).")

@@ -28,6 +28,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from model.config import ConfigError
 from rl.agent.executor import ThreadExecutor
 from rl.agent.loop import LoopConfig, run_episodes
 from rl.agent.oracle import OraclePolicy, turn_thinking
@@ -161,9 +162,9 @@ class SFTBatches:
       # 0's rows, so they all build one global batch.
       self.rows = gather_objects(self.rows if jax.process_index() == 0 else [])[0]
     if not self.rows:
-      raise ValueError("config.sft gave no training rows: set sft.domains and/or sft.chat_files "
-                       f"(counts: {self.counts}, dropped as longer than seq_len={tc.seq_len}: "
-                       f"{self.stats.dropped_too_long})")
+      raise ConfigError("config.sft gave no training rows: set sft.domains and/or sft.chat_files "
+                        f"(counts: {self.counts}, dropped as longer than seq_len={tc.seq_len}: "
+                        f"{self.stats.dropped_too_long})")
     if self.stats.dropped_too_long:
       _log.warning("SFT: %d examples longer than seq_len+1=%d tokens were dropped; raise "
                    "config.train.seq_len to keep them", self.stats.dropped_too_long, tc.seq_len + 1)
@@ -193,14 +194,14 @@ class SFTBatches:
   def set_state(self, state: Any) -> None:
     checks.check_data_state(state, self.identity)
     if state["seed"] != self.seed or state["rows"] != len(self.rows):
-      raise ValueError(f"the checkpoint's SFT data had seed {state['seed']} and {state['rows']} rows, this "
-                       f"run {self.seed} and {len(self.rows)}: resume with the same config.sft")
+      raise ConfigError(f"the checkpoint's SFT data had seed {state['seed']} and {state['rows']} rows, this "
+                        f"run {self.seed} and {len(self.rows)}: resume with the same config.sft")
     if state.get("digest", self.digest) != self.digest:
-      raise ValueError("the SFT data built now differs from the data of the checkpoint this run resumes, "
-                       "though the config that shapes it is the same: a chat file's contents or the task "
-                       "generators or their oracles changed. Restore them, or train on the new data in a "
-                       "new --workdir (--config.checkpoint.init_from=<this workdir>/checkpoints starts it "
-                       "from these weights).")
+      raise ConfigError("the SFT data built now differs from the data of the checkpoint this run resumes, "
+                        "though the config that shapes it is the same: a chat file's contents or the task "
+                        "generators or their oracles changed. Restore them, or train on the new data in a "
+                        "new --workdir (--config.checkpoint.init_from=<this workdir>/checkpoints starts it "
+                        "from these weights).")
 
   def summary(self) -> dict[str, Any]:
     st = self.stats
