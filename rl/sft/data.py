@@ -239,7 +239,8 @@ class PackStats:
 def pack(
   examples: Iterable[Example], seq_len: int, stats: PackStats | None = None
 ) -> Iterator[dict[str, np.ndarray]]:
-  """Greedy first-fit packing into rows of seq_len + 1 tokens -> train_step batches of one row.
+  """Greedy next-fit packing into rows of seq_len + 1 tokens -> train_step batches of one row: an
+  example that does not fit in the open row closes it and starts the next (streaming, in order).
 
   Each row yields inputs/targets [seq_len] (targets = next token), positions restarting per
   segment, segment_ids 1..k (0 = padding) and loss_mask = the mask of each target token
