@@ -250,22 +250,30 @@ class PrefixCache:
   def add_state(self, b: Block, state: Any) -> bool:
     """Gives an existing block its snapshot; False when it cannot fit."""
     size = _nbytes(state)
-    b.refs += 1  # not evicted to make room for its own snapshot
-    try:
-      if not self._make_room(size):
-        return False
-    finally:
-      b.refs -= 1
+    if not self._room_beside(b, size):
+      return False
     b.state = state
     b.nbytes += size
     self.nbytes += size
     return True
 
-  def add_routing(self, b: Block, routing: np.ndarray) -> None:
-    """Gives an existing block the experts of its tokens (small: accounted, never evicts)."""
+  def add_routing(self, b: Block, routing: np.ndarray) -> bool:
+    """Gives an existing block the experts of its tokens; False when they cannot fit (the block
+    then serves requests that do not record routing, as before)."""
+    if not self._room_beside(b, routing.nbytes):
+      return False
     b.routing = routing
     b.nbytes += routing.nbytes
     self.nbytes += routing.nbytes
+    return True
+
+  def _room_beside(self, b: Block, size: int) -> bool:
+    """_make_room for `size` more bytes on block b, which is not evicted to make it."""
+    b.refs += 1
+    try:
+      return self._make_room(size)
+    finally:
+      b.refs -= 1
 
   def _make_room(self, size: int) -> bool:
     if size > self.budget:

@@ -272,6 +272,21 @@ def test_lru_keeps_blocks_in_use_and_ancestors():
   assert c is not None and pc.nbytes <= pc.budget
 
 
+def test_routing_added_to_a_block_stays_within_the_budget():
+  """It was accounted but never evicted for: requests recording routing took nbytes past the budget."""
+  pc = PrefixCache(block=2, budget_bytes=3 * 8)
+  tok = lambda: [(np.zeros((2,), np.float32),)]  # 8 bytes  # noqa: E731
+  a, b, c = (pc.add(k, None, 0, tok(), None, None) for k in (b"a", b"b", b"c"))
+  routing = np.arange(2, dtype=np.int32)  # 8 bytes
+  assert pc.add_routing(c, routing) and pc.get(b"a") is None and pc.evictions == 1  # the LRU one goes
+  assert c.routing is routing and c.nbytes == 16 and pc.nbytes == 24 == pc.budget
+  c.refs += 1  # held by a request; b, free, is never evicted for its own routing
+  assert not pc.add_routing(b, routing) and b.routing is None and b.nbytes == 8
+  assert pc.nbytes == 24 and pc.get(b"b") is b and pc.get(b"c") is c and b.refs == 0
+  c.refs -= 1
+  assert pc.add_routing(b, routing) and pc.get(b"c") is None and pc.nbytes == 16 <= pc.budget
+
+
 def test_bad_settings_name_the_field(engines):
   _, off = engines
   with pytest.raises(ValueError, match="prefix_cache_block"):
