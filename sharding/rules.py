@@ -162,6 +162,9 @@ def _variable_spec(path, var: nnx.Variable, mesh_shape, table) -> P:
       check_divisible(f"{what}[{part}]", arr.shape, spec, mesh_shape, storage[part])
       out[part] = spec
     return out
+  if isinstance(logical, str) or len(logical) > len(value.shape):  # zip() raised a bare ValueError
+    raise ShardingError(f"{what}: axes={logical!r} is not a tuple of one logical name (or None) per dim "
+                        f"of its shape {tuple(value.shape)}.")
   spec = logical_to_spec(logical, table, what)
   check_divisible(what, value.shape, spec, mesh_shape, logical)
   return spec
