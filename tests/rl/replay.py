@@ -1,6 +1,10 @@
-"""Oracle replay shared by the domain tests: every oracle must score 1, every near miss 0."""
+"""Shared by the domain tests: oracle replay (every oracle must score 1, every near miss 0) and the
+sandboxed context the command-running domains need."""
 
-from rl.envs.base import replay
+import pytest
+
+from rl.envs.base import EnvContext, replay
+from rl.sandbox import Sandbox, SandboxUnavailable
 from rl.tasks.generators import corrupt_oracle, generate
 
 
@@ -11,3 +15,12 @@ def replay_scores(domain, level, ctx, n_train, n_heldout, seed):
   oracle = [replay(t, ctx).reward for t in tasks]
   corrupt = [replay(t, ctx, corrupt_oracle(t)).reward for t in tasks]
   return oracle, corrupt
+
+
+def sandboxed_context(tmp_path_factory, name: str, **kw) -> EnvContext:
+  """An EnvContext under a fresh temporary root; skips the test where nsjail cannot run."""
+  try:
+    Sandbox()
+  except SandboxUnavailable as e:
+    pytest.skip(f"nsjail cannot run here: {e}")
+  return EnvContext(root=tmp_path_factory.mktemp(name), **kw)

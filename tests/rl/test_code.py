@@ -5,24 +5,19 @@ import re
 
 import pytest
 
-from rl.envs.base import EnvContext, make_env, replay
-from rl.sandbox import Sandbox, SandboxUnavailable
+from rl.envs.base import make_env, replay
 from rl.tasks.generators import code as gen
 from rl.tasks.generators import generate
 from rl.tasks.schema import TaskError, parse_task
 from serving.types import ToolCall
-from tests.rl.replay import replay_scores
+from tests.rl.replay import replay_scores, sandboxed_context
 
 LEVELS = range(gen.MAX_DIFFICULTY + 1)
 
 
 @pytest.fixture(scope="module")
 def ctx(tmp_path_factory):
-  try:
-    Sandbox()
-  except SandboxUnavailable as e:
-    pytest.skip(f"nsjail cannot run here: {e}")
-  return EnvContext(root=tmp_path_factory.mktemp("code"))
+  return sandboxed_context(tmp_path_factory, "code")
 
 
 @pytest.mark.parametrize("level", LEVELS)

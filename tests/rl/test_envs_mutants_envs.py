@@ -12,9 +12,9 @@ import pytest
 from rl.agent import executor as executors
 from rl.envs import base
 from rl.envs.base import EnvContext, Environment, ToolError, make_env, replay
-from rl.sandbox import Sandbox, SandboxUnavailable
 from rl.tasks.schema import parse_task
 from serving.types import Tool, ToolCall
+from tests.rl.replay import sandboxed_context
 
 ECHO = Tool(name="echo", description="n x's", parameters={
   "type": "object", "properties": {"n": {"type": "integer", "minimum": 0}}, "additionalProperties": False})
@@ -137,11 +137,7 @@ def test_math_and_web_grades_are_exact_and_fail_a_near_miss(ctx):
 
 @pytest.fixture(scope="module")
 def sandboxed(tmp_path_factory):
-  try:
-    Sandbox()
-  except SandboxUnavailable as e:
-    pytest.skip(f"nsjail cannot run here: {e}")
-  return EnvContext(root=tmp_path_factory.mktemp("envs_mutants_sandboxed"), command_timeout_s=10.0)
+  return sandboxed_context(tmp_path_factory, "envs_mutants_sandboxed", command_timeout_s=10.0)
 
 
 def _graded(ctx, task, setup=None):

@@ -8,23 +8,19 @@ from pathlib import Path
 import pytest
 
 from rl.envs.base import EnvContext, make_env
-from rl.sandbox import Sandbox, SandboxUnavailable, taskdir
+from rl.sandbox import taskdir
 from rl.tasks.generators import generate
 from rl.tasks.generators import terminal as gen
 from rl.tasks.schema import parse_task
 from serving.types import ToolCall
-from tests.rl.replay import replay_scores
+from tests.rl.replay import replay_scores, sandboxed_context
 
 LEVELS = range(gen.MAX_DIFFICULTY + 1)
 
 
 @pytest.fixture(scope="module")
 def ctx(tmp_path_factory):
-  try:
-    Sandbox()
-  except SandboxUnavailable as e:
-    pytest.skip(f"nsjail cannot run here: {e}")
-  return EnvContext(root=tmp_path_factory.mktemp("terminal"), command_timeout_s=10.0)
+  return sandboxed_context(tmp_path_factory, "terminal", command_timeout_s=10.0)
 
 
 @pytest.mark.parametrize("level", LEVELS)
