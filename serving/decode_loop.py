@@ -40,17 +40,16 @@ from serving.types import FreeRun
 def compile_decode_loop(graphdef: nnx.GraphDef, steps: int) -> Callable:
   """jit(decode_loop)(state, cache, rows int32 [B], tokens [B], active bool [B], budget int32 [B], stop
   bool [B, V], temperature, top_k, top_p, mask bool [B, V], forced int32 [B], seed_lo, seed_hi,
-  n_generated, max_steps int32 [], yield_on_stop bool []) -> (tokens int32 [B, K], logprobs f32 [B, K],
-  counts int32 [B],
-  routed int32 [B, K, moe layers, k] or None, cache), K = `steps`. The call computes B of the
-  cache's S rows: row j of every [B] input and output is the cache's row `rows[j]` (distinct; B = S
-  computes the cache in place, B < S gathers those rows and writes them back, one program per B).
-  At most max_steps <= K steps; row j produced counts[j] tokens (its first counts[j] columns) and
-  stops after one in its `stop` row or at its budget; with yield_on_stop the call ends after the
-  step at which the first row stops (the others keep their state and pending token); forced (>= 0)
-  replaces a row's draw
-  (one-step calls only); routed[j, i]: the experts of the token fed at step i (the pending one,
-  then each sampled one but the last). The decode state is donated."""
+  n_generated, max_steps int32 [], yield_on_stop bool []) -> (tokens int32 [B, K], logprobs f32
+  [B, K], counts int32 [B], routed int32 [B, K, moe layers, k] or None, cache), K = `steps`. The
+  call computes B of the cache's S rows: row j of every [B] input and output is the cache's row
+  `rows[j]` (distinct; B = S computes the cache in place, B < S gathers those rows and writes them
+  back, one program per B). At most max_steps <= K steps; row j produced counts[j] tokens (its
+  first counts[j] columns) and stops after one in its `stop` row or at its budget; with
+  yield_on_stop the call ends after the step at which its first row stops (the others keep their
+  state and pending token); forced (>= 0) replaces a row's draw (one-step calls only);
+  routed[j, i]: the experts of the token fed at step i (the pending one, then each sampled one but
+  the last). The decode state is donated."""
 
   def decode_loop(state, cache, rows_in, tokens, active, budget, stop, temperature, top_k, top_p, mask,
                   forced, seed_lo, seed_hi, n_generated, max_steps, yield_on_stop):
