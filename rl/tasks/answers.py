@@ -74,22 +74,26 @@ def parse_number(text: str | int | float) -> float | None:
     return None
   if isinstance(text, (int, float)):
     return float(text) if math.isfinite(text) else None
+  exact = _exact_value(text)
+  if exact is None:
+    return None
+  try:
+    value = float(exact)
+  except OverflowError:  # a fraction of hundreds of digits: past the largest float, like '1e400'
+    return None
+  return value if math.isfinite(value) else None
+
+
+def _exact_value(text: str) -> Decimal | Fraction | None:
+  """The exact value of the number `text` writes (see `parse_number`), or None."""
   s = _bare(text)
   if _THOUSANDS.match(s):
     s = s.replace(",", "")
   m = _FRACTION.match(s)
   if m:
-    num, den = int(m.group(1)), int(m.group(2))
-    if den == 0:
-      return None
-    try:
-      return float(Fraction(num, den))
-    except OverflowError:  # hundreds of digits: past the largest float, like '1e400'
-      return None
-  if _DECIMAL.match(s):
-    value = float(s)
-    return value if math.isfinite(value) else None
-  return None
+    den = int(m.group(2))
+    return Fraction(int(m.group(1)), den) if den != 0 else None
+  return Decimal(s) if _DECIMAL.match(s) else None
 
 
 def _is_integer(text: str | int | float) -> bool:
@@ -106,18 +110,10 @@ def _is_integer(text: str | int | float) -> bool:
 def _whole_value(text: str) -> Decimal | Fraction | None:
   """The exact value of the number written in `text` ('1,234', '1234.0', '1.2e3', '6/3') when it
   is a whole number, else None. Never converts to int: '0e99999999' must stay cheap."""
-  s = _bare(text)
-  if _THOUSANDS.match(s):
-    s = s.replace(",", "")
-  m = _FRACTION.match(s)
-  if m:
-    den = int(m.group(2))
-    value = Fraction(int(m.group(1)), den) if den != 0 else None
-    return value if value is not None and value.denominator == 1 else None
-  if _DECIMAL.match(s):
-    value = Decimal(s)
-    return value if value == value.to_integral_value() else None
-  return None
+  value = _exact_value(text)
+  if isinstance(value, Fraction):
+    return value if value.denominator == 1 else None
+  return value if value is not None and value == value.to_integral_value() else None
 
 
 def _as_int(text: str | int) -> int:
