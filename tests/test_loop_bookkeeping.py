@@ -4,7 +4,6 @@ count. The real end-to-end resume is tests/test_pretrain.py (slow)."""
 
 import contextlib
 import json
-import time
 import types
 
 import jax
@@ -122,20 +121,40 @@ def test_build_restores_step_rng_and_data_state(monkeypatch):
   assert r.data.restored == []
 
 
+class _Clock:
+  """Stands for loop.time: the data wait and the train step each move it by a set amount."""
+
+  def __init__(self):
+    self.now = 100.0
+
+  def perf_counter(self):
+    return self.now
+
+
 class _SlowData(_Data):
+  def __init__(self, clock):
+    super().__init__()
+    self.clock = clock
+
   def batch(self, step):
-    time.sleep(0.2)
+    self.clock.now += 5.0
     return super().batch(step)
 
 
 def test_step_metrics_count_every_token_of_the_global_batch(monkeypatch):
   r = object.__new__(loop._Run)
   r.tc = types.SimpleNamespace(global_batch=6, seq_len=11, nan_policy="stop")
-  r.data, r.model, r.optimizer, r.names = _SlowData(), "model", "opt", ["w"]
+  clock = _Clock()
+  monkeypatch.setattr(loop, "time", clock)
+  r.data, r.model, r.optimizer, r.names = _SlowData(clock), "model", "opt", ["w"]
   raw = {"loss": jnp.float32(2.75), "ce": jnp.float32(2.5), "tokens": jnp.float32(61.0),
          "grad_norm": jnp.float32(0.625), "learning_rate": jnp.float32(3e-4), "finite": jnp.bool_(True),
          "grad_finite": jnp.array([True]), "param_finite": jnp.array([True])}
-  monkeypatch.setattr(loop, "jit_train_step", lambda model, opt, batch, tc: raw)
+
+  def train_step(model, opt, batch, tc):
+    clock.now += 2.0
+    return raw
+  monkeypatch.setattr(loop, "jit_train_step", train_step)
   monkeypatch.setattr(loop.metrics_lib, "router_bias_norm", lambda model: 0.0)
   out = r.step(4, 100.0, 1e9)
   assert r.data.asked == [4]
@@ -143,7 +162,7 @@ def test_step_metrics_count_every_token_of_the_global_batch(monkeypatch):
   assert out["mfu"] == pytest.approx(100.0 * out["tokens_per_s"] / 1e9)
   assert out["learning_rate"] == pytest.approx(3e-4) and out["loss_tokens"] == 61.0
   # The batch's wait is data_seconds; the train step's time (tokens/s, MFU) leaves it out.
-  assert 0.2 <= out["data_seconds"] < 5 and out["step_seconds"] < 0.2
+  assert out["data_seconds"] == 5.0 and out["step_seconds"] == 2.0
 
 
 def test_per_process_states_restart_on_another_process_count(monkeypatch, caplog):
