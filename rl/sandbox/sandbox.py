@@ -32,6 +32,7 @@ import threading
 import warnings
 from pathlib import Path
 
+from model.config import ConfigError
 from rl.sandbox.capture import Captured, run_capped
 
 _log = logging.getLogger(__name__)
@@ -53,11 +54,12 @@ _TOP_DIRS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 
 
 def check_mountable(path: Path | str, what: str) -> None:
-  """A ValueError naming `what` when nsjail's --bindmount SRC:DST cannot express `path` (a ':')."""
+  """A ConfigError (a ValueError) naming `what` when nsjail's --bindmount SRC:DST cannot express
+  `path` (a ':'): a launcher given such a config.env.root or TMPDIR ends with that one line."""
   if ":" in str(path):
-    raise ValueError(f"{what} contains ':', which nsjail's bind mount (SRC:DST) cannot express; put "
-                     "task directories under a path without ':' (config.env.root, or TMPDIR for the "
-                     "default).")
+    raise ConfigError(f"{what} contains ':', which nsjail's bind mount (SRC:DST) cannot express; put "
+                      "task directories under a path without ':' (config.env.root, or TMPDIR for the "
+                      "default).")
 
 
 class SandboxUnavailable(RuntimeError):
