@@ -1,9 +1,9 @@
 """The math environment: one question, no tools, the final answer compared exactly.
 
 The answer is the last `<answer>...</answer>` of the final text (rl/tasks/answers.py);
-numbers compare at `MATH_REL_TOL` (1e-9 relative, i.e. exactly for the integers the
-generators write), anything else as normalised text. Reward is 1 or 0: partial credit for
-a near miss would teach rounding, not arithmetic.
+an integer answer compares exactly (any written form of that value: `1,234`, `1234.0`), other
+numbers at `MATH_REL_TOL` (1e-9 relative), anything else as normalised text. Reward is 1 or 0:
+partial credit for a near miss would teach rounding, not arithmetic.
 """
 
 from __future__ import annotations

@@ -5,9 +5,10 @@ The conventions every task file relies on (math, web, docqa, cad):
     text (never the thinking), else the whole final text;
   * surrounding whitespace, quotes and one trailing full stop are dropped, case is ignored;
   * numbers (thousands separators, `$`, `%` removed; `3/4` = 0.75) compare numerically:
-    math exactly (relative 1e-9; a whole number given for an integer answer, `1234`, `1,234`,
-    `1234.0`, `1.234e3`, compares as an integer), docqa within the task's
-    relative tolerance (absolute when the expected answer is 0);
+    math exactly: an integer answer only to a number of exactly that value, however written
+    (`1234`, `1,234`, `1234.0`, `1.234e3`, `2468/2`; `1234.5` is wrong however large 1234
+    is), any other numeric answer within relative 1e-9; docqa within the task's relative
+    tolerance (absolute when the expected answer is 0);
   * spaces are dropped only next to `$`, `%` and a sign (`$ 12`, `45 %`, `- 3`): `12 34` is not
     1234;
   * an extracted answer longer than the expected one by more than MAX_ANSWER_CHARS is wrong
@@ -107,15 +108,6 @@ def _is_integer(text: str | int | float) -> bool:
   return bool(re.fullmatch(r"[+-]?\d+", s) or _THOUSANDS.match(s) and "." not in s)
 
 
-def _whole_value(text: str) -> Decimal | Fraction | None:
-  """The exact value of the number written in `text` ('1,234', '1234.0', '1.2e3', '6/3') when it
-  is a whole number, else None. Never converts to int: '0e99999999' must stay cheap."""
-  value = _exact_value(text)
-  if isinstance(value, Fraction):
-    return value if value.denominator == 1 else None
-  return value if value is not None and value == value.to_integral_value() else None
-
-
 def _as_int(text: str | int) -> int:
   if isinstance(text, int):
     return text
@@ -142,8 +134,9 @@ def answers_match(given: str, expected: str | int | float, rel_tol: float = MATH
     got = parse_number(given)
     if got is not None:
       if rel_tol <= MATH_REL_TOL and _is_integer(expected):
-        whole = _whole_value(given)
-        if whole is not None:  # "exactly": 10**10 + 1, or 10000000001.0, is not 10**10
-          return whole == _as_int(expected)
+        # "Exactly": 10**10 + 1, 10000000001.0 or 10000000000.5 is not 10**10, though each is
+        # within 1e-9 of it. Compared as Decimal or Fraction, never converted to int:
+        # '0e99999999' must stay cheap.
+        return _exact_value(given) == _as_int(expected)
       return numbers_close(got, want, rel_tol)
   return normalize(given) == normalize(str(expected))

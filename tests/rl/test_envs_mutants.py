@@ -90,10 +90,18 @@ def test_answers_match(given, expected, tol, ok):
   ("1,411,750,000.00", 1411750000, True),
   ("246913578024/2", 123456789012, True),
   ("246913578026/2", 123456789012, False),
-  ("42.0000000001", 42, True),  # a non-whole value still compares within 1e-9
-  ("42000000001/1000000000", 42, True),
+  ("42000000000/1000000000", 42, True),
+  # Nor is a non-whole number, however close: '.5' appended to a wrong integer of ten digits
+  # or more passed at 1e-9 relative, and 1e-10 passed for 0 at 1e-9 absolute.
+  ("123456789100.5", 123456789012, False),
+  ("123456789012.5", "123456789012", False),
+  ("42.0000000001", 42, False),
+  ("42000000001/1000000000", 42, False),
+  ("1e-10", 0, False),
+  ("-0.0", 0, True),
+  ("0/7", "0", True),
 ])
-def test_a_whole_number_written_as_a_decimal_compares_exactly(given, expected, ok):
+def test_an_integer_answer_compares_exactly_however_written(given, expected, ok):
   """'10000000001' was refused for 10**10 but '10000000001.0' accepted (relative 1e-9 of 10**10 is
   10): appending '.0' turned a wrong integer answer of ten digits or more into reward 1."""
   assert answers.answers_match(given, expected) is ok

@@ -191,7 +191,7 @@ def test_extract_answer(text, expected):
   "given, expected, tol, ok",
   [
     ("42", "42", answers.MATH_REL_TOL, True),
-    ("42.0000000001", 42, answers.MATH_REL_TOL, True),
+    ("42.0000000001", 42, answers.MATH_REL_TOL, False),  # an integer answer compares exactly
     ("42.001", 42, answers.MATH_REL_TOL, False),
     ("$1,234.50", 1234.5, answers.MATH_REL_TOL, True),
     ("12.5%", "12.5", answers.MATH_REL_TOL, True),

@@ -48,8 +48,9 @@ DOMAIN = "math"
 MAX_DIFFICULTY = 4
 MAX_TURNS = 1
 _MAX_DRAWS = 200
-# The grader compares numbers at a relative 1e-9 (answers.MATH_REL_TOL), so above 1e9 an
-# off-by-one answer would pass; questions with larger answers are redrawn.
+# The grader compares integer answers exactly and other numbers at a relative 1e-9
+# (answers.MATH_REL_TOL), so above 1e9 an off-by-one non-integer answer would pass; questions
+# with larger answers are redrawn.
 MAX_ABS_ANSWER = 10**8
 _FLOAT_NOISE = re.compile(r"\d\.\d*(?:0{6}|9{6})\d")
 ANSWER_FORMAT = "Give your final answer inside <answer></answer>."
