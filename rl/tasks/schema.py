@@ -285,11 +285,14 @@ def _check(obj: Mapping, where: str) -> None:
     raise TaskError(where, "check", f"unknown key(s) {sorted(unknown)}; allowed: files, absent, command")
   if not terminal_check:
     raise TaskError(where, "check", "needs at least one of files, absent, command (else it always passes)")
-  _files(terminal_check, "files", where, required=False)
+  files = _files(terminal_check, "files", where, required=False)
   absent = terminal_check.get("absent", [])
   _need(isinstance(absent, list), where, "check.absent", "a list of paths", absent)
   for p in absent:
-    check_relative_path(p, where, "check.absent")
+    norm = check_relative_path(p, where, "check.absent")
+    needed = [f for f in files if f == norm or f.startswith(norm + "/")]
+    if needed:  # the check could never pass: every episode of the task would score 0
+      raise TaskError(where, "check.absent", f"{p!r} must be absent, but check.files needs {needed[0]!r}")
   if "command" in terminal_check:
     _string(terminal_check, "command", where, nonempty=True, command=True)
 

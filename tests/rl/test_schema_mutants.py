@@ -49,6 +49,9 @@ REJECTED = [
    "pass_marker"),
   ({**TERM, "check": {"absent": "a"}}, "check.absent"),
   ({**TERM, "check": {"absent": ["../a"]}}, "check.absent"),
+  # A check that can never pass: the same path required and absent, or absent above a required one.
+  ({**TERM, "check": {"files": {"a/b.txt": "x"}, "absent": ["./a/b.txt"]}}, "check.absent"),
+  ({**TERM, "check": {"files": {"a/b.txt": "x"}, "absent": ["a"]}}, "check.absent"),
   ({**WEB, "pages": []}, "pages"),
   ({**WEB, "pages": [{**PAGE, "extra": 1}]}, "pages[0]"),
   ({**WEB, "pages": [{**PAGE, "text": 3}]}, "pages[0].text"),
@@ -112,6 +115,8 @@ ACCEPTED = [
   ({**CODE, "files": {"a/b": "", "ab": ""}}, "files", {"a/b": "", "ab": ""}),  # 'ab' is not inside 'a'
   ({**TERM, "check": {"files": {"./a": "x"}, "absent": ["b/../c", "./d"]}}, "check",
    {"files": {"a": "x"}, "absent": ["c", "d"]}),
+  ({**TERM, "check": {"files": {"ab/c": "x"}, "absent": ["a", "ab/d"]}}, "check",  # 'ab' is not in 'a'
+   {"files": {"ab/c": "x"}, "absent": ["a", "ab/d"]}),
 ]
 
 
