@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from rl.tasks.jsonl import read_values
 from serving.chat import ChatRenderer
 from serving.types import Message, TextPart, Tool, ToolCall
 
@@ -103,8 +104,8 @@ def render_example(
 # ---- OpenAI chat JSONL --------------------------------------------------------------------
 
 
-def _bad(where: str, field: str, message: str) -> ChatDataError:
-  return ChatDataError(f"{where}: field '{field}': {message}")
+def _bad(where: str, field: str | None, message: str) -> ChatDataError:
+  return ChatDataError(f"{where}: field '{field}': {message}" if field else f"{where}: {message}")
 
 
 def _content_text(content: Any, where: str, field: str) -> str:
@@ -201,21 +202,7 @@ def load_chat_jsonl(path: str | Path) -> Iterator[tuple[list[Message], list[Tool
   path = Path(path)
   if not path.is_file():
     raise FileNotFoundError(f"SFT data file {str(path)!r} does not exist")
-  try:
-    with open(path, encoding="utf-8-sig") as f:  # -sig: a byte order mark (Notepad's) is not text
-      lines = list(enumerate(f, 1))
-  except UnicodeDecodeError as e:
-    raise ChatDataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8 "
-                        "(Windows PowerShell's `>` writes UTF-16)") from None
-  for lineno, line in lines:
-    if not line.strip():
-      continue
-    where = f"{path}:{lineno}"
-    try:
-      obj = json.loads(line)
-    except (ValueError, RecursionError) as e:  # also a number of 4301+ digits, arrays nested 1e5 deep
-      msg = e.msg if isinstance(e, json.JSONDecodeError) else str(e).split(";")[0]
-      raise ChatDataError(f"{where}: not valid JSON ({msg}); one conversation object per line") from None
+  for _, where, obj in read_values(path, _bad, "conversation object"):
     messages, tools, untrained = parse_chat(obj, where)
     yield messages, tools, untrained, where
 

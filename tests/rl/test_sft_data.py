@@ -259,7 +259,7 @@ def test_chat_files_errors_name_the_file_and_line(tmp_path, renderer):
   with pytest.raises(sft.ChatDataError, match=r"config.sft.chat_files: .*empty.jsonl holds no conversations"):
     chat_examples(str(empty), renderer, None)
   utf16 = write("utf16.jsonl", [user, {"role": "assistant", "content": "ok"}], encoding="utf-16")
-  with pytest.raises(sft.ChatDataError, match=r"utf16.jsonl: not UTF-8 text"):
+  with pytest.raises(sft.ChatDataError, match=r"utf16.jsonl: is not UTF-8 text"):
     chat_examples(str(utf16), renderer, None)
 
 

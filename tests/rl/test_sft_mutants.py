@@ -169,6 +169,19 @@ def test_chat_jsonl_numbers_past_the_limit_name_the_line(tmp_path):
     next(it)
 
 
+@pytest.mark.parametrize("line, field", [
+  ('{"messages": [{"role": "user", "content": "q"}], "messages": []}', "messages"),
+  ('{"messages": [{"role": "user", "role": "assistant", "content": "a"}]}', "role"),
+])
+def test_chat_jsonl_refuses_a_key_given_twice(tmp_path, line, field):
+  """json.loads kept the last value silently: a whole conversation, or a message's role, vanished
+  from the training data (task files refused this already)."""
+  path = tmp_path / "c.jsonl"
+  path.write_text(line + "\n")
+  with pytest.raises(sft.ChatDataError, match=rf"c.jsonl:1: field '{field}': appears twice in one object"):
+    list(sft.load_chat_jsonl(path))
+
+
 # ---- oracle conversations and chat files ---------------------------------------------------------
 
 
