@@ -5,7 +5,20 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from serving.admission import check_prefix_settings, validate_engine_args
+from serving.context import Limits
 from serving.engine import Engine
+
+
+def check_serve_config(config: Any) -> None:
+  """`config.serving`'s engine sizes, prefix cache and request limits, checked before any weights
+  load: a bad value stops a launcher with a ConfigError naming the field, not minutes later
+  (the engine's max_context against the model's max_seq_len is checked once the model is known)."""
+  s = config.serving
+  validate_engine_args(None, slots=s.slots, max_context=s.max_context, prefill_chunk=s.prefill_chunk,
+                       max_queue=s.max_queue, decode_steps=s.decode_steps)
+  check_prefix_settings(s.prefix_cache_mb, s.prefix_cache_block, s.prefill_chunk)
+  Limits.from_config(s)
 
 
 def build_engine(config: Any, checkpoint: str | None = None, step: int | None = None,
@@ -29,6 +42,7 @@ def build_engine(config: Any, checkpoint: str | None = None, step: int | None = 
   from training.checkpoint import load_model, read_meta, stored_model_config
   from training.tokenizer import default_tokenizer_path, load_tokenizer
 
+  check_serve_config(config)
   s = config.serving
   run = {}
   if checkpoint:

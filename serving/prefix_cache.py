@@ -53,6 +53,7 @@ import numpy as np
 
 from model.attention.delta import DeltaCache
 from model.attention.dsa import DSACache
+from serving.admission import check_prefix_settings
 
 __all__ = ["Block", "PrefixCache", "Prefixer", "block_keys", "build_prefixer", "cache_programs",
            "check_cacheable", "image_extra_fn"]
@@ -376,15 +377,9 @@ class Prefixer:
 def build_prefixer(mb: float, block: int, prefill_chunk: int, exact: bool, image_token_id: int,
                    cache: Sequence[Any]) -> Prefixer | None:
   """The engine's prefix cache from its settings (None when mb is 0); errors name the field."""
-  if isinstance(mb, bool) or not isinstance(mb, (int, float)) or mb < 0:
-    raise ValueError(f"Engine: prefix_cache_mb={mb!r} must be a number >= 0 (0 = off; "
-                     "config.serving.prefix_cache_mb).")
+  check_prefix_settings(mb, block, prefill_chunk)
   if not mb:
     return None
-  if isinstance(block, bool) or not isinstance(block, int) or block < 1 or prefill_chunk % block:
-    raise ValueError(f"Engine: prefix_cache_block={block!r} must be a positive divisor of "
-                     f"prefill_chunk={prefill_chunk} (config.serving.prefix_cache_block), so every "
-                     "full prefill chunk ends on a block boundary.")
   check_cacheable(cache)
   return Prefixer(PrefixCache(block, int(mb * 2**20)), prefill_chunk=prefill_chunk, exact=exact,
                   image_token_id=image_token_id)

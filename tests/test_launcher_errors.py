@@ -71,3 +71,51 @@ def test_the_rl_launcher_refuses_a_knob_in_one_line():
   traced = _launch(env={"HORIZON_TRACEBACK": "1"})
   assert traced.returncode == 1 and "Traceback" in traced.stderr
   assert "model.config.ConfigError: config.rl.temperature=0" in traced.stderr
+
+
+def _serve_config(**serving):
+  from configs import serve
+  config = serve.get_config("tiny")
+  config.serving.update({"prefix_cache_mb": 4, **serving})
+  return config
+
+
+@pytest.mark.parametrize("field, value, says", [
+  ("prefix_cache_block", 7, "prefix_cache_block=7 must be a positive divisor of prefill_chunk=32"),
+  ("prefix_cache_mb", -1, "prefix_cache_mb=-1 must be a finite number >= 0"),
+  ("slots", 0, "slots=0 must be a positive int"),
+  ("decode_steps", 0, "decode_steps=0 must be a positive int"),
+  ("prefill_chunk", 4096, "prefill_chunk=4096 > max_context"),
+  ("default_max_tokens", 0, "config.serving.default_max_tokens=0: must be a positive int"),
+])
+def test_the_serve_config_is_checked_before_weights_load(field, value, says):
+  """These failed after the model was built or loaded (minutes for a large checkpoint), with a
+  ValueError's traceback."""
+  from serving.build import check_serve_config
+  with pytest.raises(ConfigError) as info:
+    check_serve_config(_serve_config(**{field: value}))
+  assert says in str(info.value)
+
+
+@pytest.mark.parametrize("mb", [float("nan"), float("inf"), True])
+def test_a_prefix_cache_size_that_is_not_a_finite_number_is_refused(mb):
+  """An Engine built in Python with NaN or inf crashed in int(mb * 2**20) (configs type the field)."""
+  from serving.admission import check_prefix_settings
+  with pytest.raises(ConfigError, match=f"prefix_cache_mb={mb!r} must be a finite number >= 0"):
+    check_prefix_settings(mb, 16, 32)
+
+
+def test_a_good_serve_config_passes_and_a_block_does_not_matter_with_the_cache_off():
+  from serving.build import check_serve_config
+  check_serve_config(_serve_config())
+  check_serve_config(_serve_config(prefix_cache_mb=0, prefix_cache_block=7))
+
+
+def test_the_serve_launcher_refuses_a_prefix_block_in_one_line():
+  cmd = [sys.executable, "-m", "experiments.serve", "--config=configs/serve.py:tiny",
+         "--config.serving.prefix_cache_mb=4", "--config.serving.prefix_cache_block=7",
+         "--workdir=/tmp/horizon_serve_refused"]
+  env = {k: v for k, v in os.environ.items() if k != "HORIZON_TRACEBACK"}
+  run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+  assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-2000:]
+  assert "FATAL ConfigError: Engine: prefix_cache_block=7 must be a positive divisor" in run.stderr

@@ -22,6 +22,7 @@ from rl.eval.harness import parse_tiers
 from rl.sft.data import parse_tier_mix
 from rl.train import objectives as obj_lib
 from rl.train.mixture import parse_levels, parse_mixture
+from serving.build import check_serve_config
 from training.knobs import check_int_knobs, check_nonnegative_numbers
 from training.loop import check_init_from, check_loop_config, check_resume
 
@@ -83,6 +84,7 @@ def check_rl_config(config) -> RLSettings:
   check_run_knobs(rl)
   check_env_config(env)
   check_loop_config(config)  # checkpoint.every / keep, as in pretraining
+  check_serve_config(config)  # the rollout engine's sizes, prefix cache and thinking budgets
   objective = objective_from_config(rl)
   if objective.aggregation == "constant" and not objective.norm_tokens:
     # Dr. GRPO divides by a constant, not the batch's length: the episode's generation budget.

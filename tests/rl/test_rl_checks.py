@@ -31,6 +31,19 @@ def test_values_that_failed_after_the_build_name_their_field():
       check_rl_config(_config(**rl))
 
 
+@pytest.mark.parametrize("serving, says", [
+  ({"prefix_cache_mb": 4, "prefix_cache_block": 5}, "prefix_cache_block=5 must be a positive divisor"),
+  ({"slots": 0}, "slots=0 must be a positive int"),
+  ({"thinking_budgets": {"low": 8, "high": -1, "max": 64}}, "config.serving.thinking_budgets"),
+])
+def test_the_rollout_engine_settings_are_checked_before_the_build(serving, says):
+  """They failed once the policy, reference model and engine had been built."""
+  config = _config()
+  config.serving.update(serving)
+  with pytest.raises(ValueError, match=says):
+    check_rl_config(config)
+
+
 def test_file_only_mixture_with_evaluation_is_refused(tmp_path, monkeypatch):
   from rl.train import checks
   monkeypatch.setattr(checks, "parse_mixture", lambda text: {f"file:{tmp_path}/t.jsonl": 1.0})
