@@ -109,6 +109,27 @@ def test_jsonl_documents_and_errors(tmp_path):
     data.source_files(data.parse_sources(f"text:{tmp_path}/*.none")[0])
 
 
+@pytest.mark.parametrize("line, why", [
+  (b'{"body": "a", "n": 1' + b"0" * 5000 + b"}", "Exceeds the limit"),
+  (b'{"body": "a", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "maximum recursion depth"),
+  (b'{"body": "a"', "Expecting ',' delimiter"),
+])
+def test_a_jsonl_line_python_cannot_read_names_its_file_and_line(tmp_path, line, why):
+  """Valid JSON that Python's json refuses (a 5001-digit number, deep nesting) ended the corpus read
+  with a bare ValueError / RecursionError, without the file or line."""
+  (tmp_path / "c.jsonl").write_bytes(b'{"body": "ok"}\n' + line + b"\n")
+  src = data.parse_sources(f"jsonl:{tmp_path}/*.jsonl@body=1")[0]
+  with pytest.raises(data.DataError, match=rf"c.jsonl:2: not valid JSON \({why}"):
+    list(data.iter_documents(src))
+
+
+def test_a_stray_byte_in_a_jsonl_corpus_is_replaced_as_in_text_files(tmp_path):
+  """A byte that is not UTF-8 ended the whole corpus with UnicodeDecodeError (text files replace it)."""
+  (tmp_path / "c.jsonl").write_bytes(b'{"body": "caf\xe9 au lait"}\n{"body": "two"}\n')
+  src = data.parse_sources(f"jsonl:{tmp_path}/*.jsonl@body=1")[0]
+  assert list(data.iter_documents(src)) == ["caf\ufffd au lait", "two"]
+
+
 # ---- prepare -------------------------------------------------------------------
 
 

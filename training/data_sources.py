@@ -163,10 +163,11 @@ def _jsonl_documents(path: epath.Path, field: str) -> Iterator[str]:
     for lineno, line in enumerate(f, 1):
       if not line.strip():
         continue
-      try:
-        obj = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg}); fix or drop the line.") from None
+      try:  # bad UTF-8 bytes become U+FFFD, as in text files: one stray byte should not stop a corpus
+        obj = json.loads(line.decode("utf-8", errors="replace"))
+      except (ValueError, RecursionError) as e:  # also a number of 4301+ digits, nesting 1e5 deep
+        why = e.msg if isinstance(e, json.JSONDecodeError) else str(e).split(";")[0]
+        raise DataError(f"{path}:{lineno}: not valid JSON ({why}); fix or drop the line.") from None
       if not isinstance(obj, dict) or not isinstance(obj.get(field), str):
         raise DataError(f"{path}:{lineno}: no string field {field!r}; pick the field with "
                         "'jsonl:<glob>@<field>'.")
