@@ -43,7 +43,7 @@ _TASKS = flags.DEFINE_string("tasks", None, "A JSONL task file (instead of the g
 _DOMAINS = flags.DEFINE_list("domains", list(DOMAINS), "Generated tasks: domains.")
 _SPLIT = flags.DEFINE_enum("split", "heldout", ["train", "heldout"], "Generated tasks: split.")
 _DIFFICULTY = flags.DEFINE_integer("difficulty", 0, "Generated tasks: level (capped per domain).")
-_N = flags.DEFINE_integer("n", 20, "Generated tasks per domain.")
+_N = flags.DEFINE_integer("n", 20, "Generated tasks per domain (held-out: n distinct questions).")
 _TIERS = flags.DEFINE_string("tiers", "high", "Thinking tiers, comma-separated: low,high,max,off.")
 _SAMPLES = flags.DEFINE_integer("samples", 1, "Episodes per task and tier (pass@k for k <= samples).")
 _TEMPERATURE = flags.DEFINE_float("temperature", None, "Sampling temperature (default 0 for one sample, "
