@@ -73,6 +73,8 @@ def get_config(arg: str = "grpo") -> ml_collections.ConfigDict:
   config = sft.get_config(variant or "agent")
   config.rl = _rl(algorithm)
   # The schedule's length is config.rl.steps (the trainer sets it); a constant rate after warm-up.
+  # config.train's steps, global_batch, seq_len and grad_accum are not read (a step's batch is its
+  # episodes); experiments.rl refuses them on the command line (rl/train/checks.NOT_READ_BY_RL).
   config.train.update(learning_rate=1e-4, warmup_steps=2, end_lr_fraction=1.0)
   config.checkpoint.every = 10
   config.metrics.log_every = 1

@@ -25,8 +25,10 @@ import json
 
 import jax
 from absl import flags
+from ml_collections import config_flags
 
 from experiments.config_util import define_config_flag, define_distributed_flags, log_to_workdir, run_app
+from rl.train.checks import check_rl_overrides
 from rl.train.trainer import run
 
 _CONFIG = define_config_flag()
@@ -39,6 +41,7 @@ _INIT_DISTRIBUTED = define_distributed_flags()
 def main(argv):
   del argv
   config = _CONFIG.value
+  check_rl_overrides(config_flags.get_override_values(flags.FLAGS["config"]))
   if _INIT.value:
     with config.unlocked():
       config.checkpoint.init_from = _INIT.value

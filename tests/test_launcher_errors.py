@@ -58,7 +58,7 @@ def test_horizon_traceback_keeps_it_for_user_errors_too():
 
 def _launch(*extra, env=None):
   cmd = [sys.executable, "-m", "experiments.rl", "--config=configs/rl.py:grpo,tiny",
-         "--config.rl.temperature=0", "--workdir=/nonexistent/never-made"]
+         "--config.rl.temperature=0", "--workdir=/nonexistent/never-made", *extra]
   full_env = {k: v for k, v in os.environ.items() if k != "HORIZON_TRACEBACK"} | (env or {})
   return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=full_env)
 
@@ -71,6 +71,9 @@ def test_the_rl_launcher_refuses_a_knob_in_one_line():
   traced = _launch(env={"HORIZON_TRACEBACK": "1"})
   assert traced.returncode == 1 and "Traceback" in traced.stderr
   assert "model.config.ConfigError: config.rl.temperature=0" in traced.stderr
+  ignored = _launch("--config.train.seq_len=64")
+  assert ignored.returncode == 1 and "Traceback" not in ignored.stderr, ignored.stderr[-2000:]
+  assert "FATAL ConfigError: --config.train.seq_len (set config.serving.max_context" in ignored.stderr
 
 
 def _serve_config(**serving):

@@ -78,6 +78,25 @@ def check_run_knobs(rl) -> None:
                       "(the floor keeps every domain drawn while none has shown progress).")
 
 
+# config.train fields an RL run does not read, and what sets that quantity instead.
+NOT_READ_BY_RL = {
+  "train.steps": "config.rl.steps",
+  "train.global_batch": "config.rl.prompts_per_step x config.rl.samples_per_prompt (a step's episodes)",
+  "train.seq_len": "config.serving.max_context (the longest episode)",
+  "train.grad_accum": "config.rl.micro_batch (rows per gradient micro-batch)",
+}
+
+
+def check_rl_overrides(overrides: Mapping[str, Any]) -> None:
+  """The `--config.*` values set on an RL command line (ml_collections' override values): a
+  config.train field RL does not read is refused, naming what does, instead of running as if
+  it had not been given."""
+  ignored = [f"--config.{k} (set {NOT_READ_BY_RL[k]})" for k in overrides if k in NOT_READ_BY_RL]
+  if ignored:
+    them = "it" if len(ignored) == 1 else "them"
+    raise ConfigError(f"{'; '.join(ignored)}: an RL run does not read {them}; drop {them}.")
+
+
 def check_rl_config(config) -> RLSettings:
   """Every config.rl / config.env / config.checkpoint value an RL run reads, parsed and checked."""
   rl, env = config.rl, config.env

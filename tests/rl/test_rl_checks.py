@@ -6,7 +6,13 @@ import pytest
 
 from configs import rl as rl_config
 from model.config import ModelConfig
-from rl.train.checks import DRAW_FIELDS, check_rl_config, check_rl_resume, check_step_finite
+from rl.train.checks import (
+  DRAW_FIELDS,
+  check_rl_config,
+  check_rl_overrides,
+  check_rl_resume,
+  check_step_finite,
+)
 from tests._checkpoint_child import Small
 from training.checkpoint import Checkpointer
 
@@ -92,3 +98,14 @@ def test_nan_policy_is_honoured(caplog):
     with caplog.at_level(logging.WARNING):
       check_step_finite(3, m, "skip")
   assert caplog.text.count("the update was skipped") == 2
+
+
+def test_train_fields_rl_does_not_read_are_refused_naming_what_does():
+  """--config.train.global_batch=64 (or steps, seq_len, grad_accum) ran as if it had not been given."""
+  with pytest.raises(ValueError, match=r"^--config.train.steps \(set config.rl.steps\): an RL run does not "
+                                       r"read it; drop it.$"):
+    check_rl_overrides({"train.steps": 100, "rl.steps": 3})
+  with pytest.raises(ValueError, match=r"train.global_batch \(set config.rl.prompts_per_step x .*; "
+                                       r"--config.train.grad_accum \(set config.rl.micro_batch .*them"):
+    check_rl_overrides({"train.global_batch": 64, "train.grad_accum": 2})
+  check_rl_overrides({"train.learning_rate": 1e-5, "rl.steps": 3, "serving.max_context": 512})
