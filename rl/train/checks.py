@@ -44,7 +44,8 @@ _RUN_KNOBS = (
 # config.rl fields that decide which episodes a step plays and how they are drawn: a resumed run
 # that changed one would continue another run's streams from this run's positions.
 DRAW_FIELDS = ("algorithm", "seed", "mixture", "difficulty", "tiers", "prompts_per_step",
-               "samples_per_prompt", "max_refills", "temperature", "adaptive", "adaptive_floor")
+               "samples_per_prompt", "max_refills", "dynamic_sampling", "temperature", "adaptive",
+               "adaptive_floor")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -72,7 +73,7 @@ def _level_entries(text: str) -> tuple[int | None, dict[str, int]]:
     if not part:
       continue
     name, sep, level = part.rpartition("=")
-    if not level.strip().lstrip("-").isdigit():
+    if not re.fullmatch(r"-?[0-9]+", level.strip()):  # str.isdigit passes '²'; lstrip('-') passes '--1'
       raise ConfigError(f"config.rl.difficulty: {part!r} is not an integer level or domain=level.")
     if not sep:
       if default is not None:
