@@ -54,13 +54,16 @@ class ContextFull(EndpointError):
 
 # How servers say a request is past the context, and the room it leaves: ours ("... exceeds the
 # context of 256 tokens; ... at most 61"), OpenAI's ("maximum context length is C tokens. However,
-# you requested T tokens (P in the messages, ..."), Anthropic's ("... exceed context limit: P + M > C").
-_CONTEXT_WORDS = re.compile(r"context (length|limit|window|of)|exceeds? (the )?context", re.IGNORECASE)
+# you requested T tokens (P in the messages, ..."), Anthropic's ("... exceed context limit: P + M > C",
+# or for a prompt alone past it "prompt is too long: P tokens > C maximum").
+_CONTEXT_WORDS = re.compile(r"context (length|limit|window|of)|exceeds? (the )?context|prompt is too long",
+                            re.IGNORECASE)
 _ROOM = (
   (re.compile(r"at most (\d+)"), lambda m: int(m[1])),
   (re.compile(r"context length is (\d+) tokens.*?\((\d+) in the messages", re.DOTALL),
    lambda m: int(m[1]) - int(m[2])),
   (re.compile(r"(\d+) \+ (\d+) > (\d+)"), lambda m: int(m[3]) - int(m[1])),
+  (re.compile(r"prompt is too long: (\d+) tokens > (\d+) maximum"), lambda m: int(m[2]) - int(m[1])),
 )
 
 
@@ -78,6 +81,23 @@ def context_full(status: int, text: str) -> ContextFull | None:
     return None
   room = next((get(m) for pattern, get in _ROOM if (m := pattern.search(message))), None)
   return ContextFull(f"the endpoint answered 400: {message[:300]}", room)
+
+
+def _json_object(r: httpx.Response, where: str) -> dict[str, Any]:
+  """A 200's body, which must be a JSON object: else an EndpointError naming the body."""
+  try:
+    data = r.json()
+  except ValueError:
+    data = None
+  if not isinstance(data, dict):
+    raise EndpointError(f"{where} answered 200 without a JSON object: {r.text[:500]}")
+  return data
+
+
+def _no_reply(where: str, what: str, data: dict[str, Any]) -> EndpointError:
+  """A 200 whose body lacks the reply (a proxy's error as JSON): the turn fails, rather than reading
+  as an empty answer that the episode would be graded on."""
+  return EndpointError(f"{where} answered 200 without {what}: {json.dumps(data)[:500]}")
 
 
 def _text(m: Message) -> str:
@@ -131,7 +151,7 @@ class HTTPPolicy(Policy):
           raise EndpointError(f"{self.base_url}{path}: {type(e).__name__}: {e}") from e
       else:
         if r.status_code == 200:
-          return r.json()
+          return _json_object(r, self.base_url + path)
         full = context_full(r.status_code, r.text)
         if full is not None:
           raise full
@@ -217,7 +237,11 @@ class _OpenAISession(Session):
     data = await p.post_turn("/v1/chat/completions", body, headers, "max_completion_tokens")
     if data is None:
       return _full_context_turn()
-    choice = data["choices"][0]
+    choices = data.get("choices")
+    if not (isinstance(choices, list) and choices and isinstance(choices[0], dict)
+            and isinstance(choices[0].get("message"), dict)):
+      raise _no_reply(p.base_url + "/v1/chat/completions", "choices[0].message", data)
+    choice = choices[0]
     msg = choice["message"]
     thinking = msg.get("reasoning_content") or msg.get("reasoning")
     calls = [
@@ -335,7 +359,9 @@ class _AnthropicSession(Session):
     data = await p.post_turn("/v1/messages", body, headers, "max_tokens", _anthropic_limited)
     if data is None:
       return _full_context_turn()
-    blocks = data.get("content") or []
+    blocks = data.get("content")
+    if not isinstance(blocks, list):
+      raise _no_reply(p.base_url + "/v1/messages", "content", data)
     thinking = "".join(b.get("thinking", "") for b in blocks if b.get("type") == "thinking")
     text = "".join(b.get("text", "") for b in blocks if b.get("type") == "text")
     calls = [
