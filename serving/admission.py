@@ -12,6 +12,7 @@ placeholders of the prompt match the images one to one.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 import numpy as np
@@ -70,21 +71,21 @@ def validate_request(request: Request, *, max_context: int, vocab_size: int, mod
   arr = np.asarray(ids)
   if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer) or arr.min() < 0 or arr.max() >= vocab_size:
     raise RequestError(f"prompt ids must be ints in [0, {vocab_size}).", "prompt")
-  if not isinstance(p.max_tokens, int) or p.max_tokens < 1:
+  if not isinstance(p.max_tokens, numbers.Integral) or p.max_tokens < 1:
     raise RequestError(f"max_tokens={p.max_tokens!r} must be a positive int.", "max_tokens")
   if len(ids) + p.max_tokens > max_context:
     raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({p.max_tokens}) = "
                        f"{len(ids) + p.max_tokens} exceeds the context of {max_context} "
                        f"tokens; lower max_tokens to at most {max_context - len(ids)}.", "max_tokens")
-  if not np.isfinite(p.temperature) or p.temperature < 0:
-    raise RequestError(f"temperature={p.temperature} must be >= 0 (0 = greedy).", "temperature")
-  if not 0 < p.top_p <= 1:
-    raise RequestError(f"top_p={p.top_p} must be in (0, 1].", "top_p")
-  if not isinstance(p.top_k, int) or not 0 <= p.top_k <= TOP_K_MAX:
+  if not isinstance(p.temperature, numbers.Real) or not np.isfinite(p.temperature) or p.temperature < 0:
+    raise RequestError(f"temperature={p.temperature!r} must be a number >= 0 (0 = greedy).", "temperature")
+  if not isinstance(p.top_p, numbers.Real) or not 0 < p.top_p <= 1:
+    raise RequestError(f"top_p={p.top_p!r} must be a number in (0, 1].", "top_p")
+  if not isinstance(p.top_k, numbers.Integral) or not 0 <= p.top_k <= TOP_K_MAX:
     raise RequestError(f"top_k={p.top_k!r} must be an int in [0, {TOP_K_MAX}] (0 = off).", "top_k")
-  if p.seed is not None and not isinstance(p.seed, (int, np.integer)):
+  if p.seed is not None and not isinstance(p.seed, numbers.Integral):
     raise RequestError(f"seed={p.seed!r} must be an int (or None).", "seed")
-  if any(not 0 <= t < vocab_size for t in p.stop_token_ids):
+  if any(not isinstance(t, numbers.Integral) or not 0 <= t < vocab_size for t in p.stop_token_ids):
     raise RequestError(f"stop_token_ids must be ids in [0, {vocab_size}).", "stop_token_ids")
   _validate_images(arr, request.images, model_cfg, has_vision)
 

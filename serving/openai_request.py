@@ -47,7 +47,7 @@ from serving.api_common import resolve_tool_choice
 from serving.errors import APIError
 from serving.types import ImagePart, Message, Part, ResponseFormat, TextPart, Tool, ToolCall, ToolChoice
 
-_TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+_TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # fullmatch: `$` would let a trailing "\n" through
 MAX_N = 16  # choices per request (each is a separate generation in its own slot)
 MAX_STOP = 4  # stop strings (OpenAI's limit)
 
@@ -188,7 +188,7 @@ def convert_tools(body: ChatRequest, max_tools: int) -> tuple[list[Tool], ToolCh
   tools, seen = [], set()
   for j, t in enumerate(defs):
     f = t.function
-    if not _TOOL_NAME.match(f.name):
+    if not _TOOL_NAME.fullmatch(f.name):
       raise APIError(400, f"tools[{j}].function.name: {f.name!r} must match ^[a-zA-Z0-9_-]{{1,64}}$.",
                      param=f"tools[{j}].function.name")
     if f.name in seen:
@@ -244,7 +244,7 @@ def response_format(body: ChatRequest) -> ResponseFormat | None:
   if not isinstance(spec, dict):
     raise APIError(400, "response_format.json_schema: required for type 'json_schema' (an object with "
                    "`name` and `schema`).", param="response_format.json_schema")
-  if not isinstance(spec.get("name"), str) or not _TOOL_NAME.match(spec["name"]):
+  if not isinstance(spec.get("name"), str) or not _TOOL_NAME.fullmatch(spec["name"]):
     raise APIError(400, "response_format.json_schema.name: required, matching ^[a-zA-Z0-9_-]{1,64}$.",
                    param="response_format.json_schema.name")
   if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
@@ -265,6 +265,15 @@ def response_format(body: ChatRequest) -> ResponseFormat | None:
 
 # ---------------------------------------------------------------- messages --
 
+def _string(part: dict[str, Any], key: str, where: str) -> str:
+  """part[key], which must be a string (a 400 naming `where.key` otherwise)."""
+  value = part.get(key)
+  if not isinstance(value, str):
+    got = "nothing" if value is None else type(value).__name__
+    raise APIError(400, f"{where}.{key}: expected a string, got {got}.", param=f"{where}.{key}")
+  return value
+
+
 def _text_parts(content, where: str, *, refusal_ok: bool = False) -> list[Part]:
   if content is None:
     return []
@@ -273,10 +282,8 @@ def _text_parts(content, where: str, *, refusal_ok: bool = False) -> list[Part]:
   out: list[Part] = []
   for j, part in enumerate(content):
     kind = part.get("type")
-    if kind == "text" and isinstance(part.get("text"), str):
-      out.append(TextPart(part["text"]))
-    elif kind == "refusal" and refusal_ok and isinstance(part.get("refusal"), str):
-      out.append(TextPart(part["refusal"]))
+    if kind == "text" or (kind == "refusal" and refusal_ok):
+      out.append(TextPart(_string(part, kind, f"{where}.content[{j}]")))
     else:
       raise APIError(400, f"{where}.content[{j}]: expected a text part {{\"type\": \"text\", \"text\": "
                      f"...}} here, got type {kind!r}.", param=f"{where}.content[{j}]")
@@ -317,8 +324,8 @@ def _user_parts(content, where: str, decode: ImageDecoder) -> list[Part]:
   out: list[Part] = []
   for j, part in enumerate(content):
     kind = part.get("type")
-    if kind == "text" and isinstance(part.get("text"), str):
-      out.append(TextPart(part["text"]))
+    if kind == "text":
+      out.append(TextPart(_string(part, "text", f"{where}.content[{j}]")))
     elif kind == "image_url":
       out.append(decode(part, f"{where}.content[{j}]"))
     else:
