@@ -196,6 +196,9 @@ def convert_tools(body: ChatRequest, max_tools: int) -> tuple[list[Tool], ToolCh
                      param=f"tools[{j}].function.name")
     seen.add(f.name)
     params = f.parameters if f.parameters is not None else {"type": "object", "properties": {}}
+    if params.get("type", "object") != "object":  # as OpenAI: a call's arguments are one JSON object
+      raise APIError(400, f"tools[{j}].function.parameters: must be a JSON Schema of type 'object', got "
+                     f"type {params['type']!r}.", param=f"tools[{j}].function.parameters")
     tools.append(Tool(name=f.name, description=f.description or "", parameters=params, strict=bool(f.strict)))
   choice = body.tool_choice
   mode, name = ("named", choice.function.name) if isinstance(choice, NamedToolChoice) else (choice, None)

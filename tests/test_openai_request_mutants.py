@@ -139,6 +139,16 @@ def test_tool_fields_and_defaults():
   assert choice.parallel
 
 
+@pytest.mark.parametrize("parameters", [{"type": "array", "items": {"type": "string"}}, {"type": "string"},
+                                        {"type": ["object", "null"]}])
+def test_parameters_must_be_an_object_schema(parameters):
+  """A call's arguments are one JSON object: an array or string schema was accepted and rendered into
+  the prompt, though no call could follow it (OpenAI answers 400; the Anthropic side already did)."""
+  e = _tool_error(tools=[_fn("f", parameters)])
+  assert e.param == "tools[0].function.parameters" and "must be a JSON Schema of type 'object'" in e.message
+  convert_tools(_chat(tools=[_fn("f", {"properties": {"a": {"type": "string"}}})]), 4)  # type left out
+
+
 def test_only_constrained_tools_must_compile():
   """strict tools, and the tools tool_choice required / named forces, are compiled; others not."""
   convert_tools(_chat(tools=[_fn("f"), _fn("g", BAD)]), 4)  # auto: g is free-form
