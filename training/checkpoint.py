@@ -132,15 +132,18 @@ def optimizer_tree(optimizer: nnx.Module) -> dict:
   return tree
 
 
-def _apply(module: nnx.Module, tree: dict) -> None:
+def _apply(module: nnx.Module, tree: dict, skip: tuple[str, ...] = ()) -> None:
   """Writes a (restored) pure dict back into `module`'s Variables, in place.
 
   Walks the model's Variables (not the dict's leaves), so a Variable whose
   value is itself a dict (model.quant.MXFP4Weight: blocks + scales) is set
   whole. The tree's structure was checked against the model on restore.
+  Top-level entries named in `skip` are left alone (a ModelAndOptimizer's 'model').
   """
   flat = []
   for path, var in nnx.to_flat_state(nnx.state(module)):
+    if path and path[0] in skip:
+      continue
     node = tree
     for key in path:
       node = node[key] if key in node else node[str(key)]
@@ -354,7 +357,7 @@ class Checkpointer:
     restored = _restore_items(self._mngr, step, wanted)
     _apply(model, restored["params"])
     if optimizer is not None:
-      _apply(optimizer, restored["opt_state"])
+      _apply(optimizer, restored["opt_state"], skip=("model",))  # restored above, as 'params'
     return read_meta_dict(restored["meta"], f"checkpoint {self.directory} step {step}")
 
   def wait(self) -> None:

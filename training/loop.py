@@ -261,12 +261,19 @@ def run(config, workdir: str, make_batches: BatchFactory | None = None) -> dict[
     logger = metrics_lib.MetricsLogger(workdir, total_steps=tc.steps,
                                        tensorboard=config.metrics.tensorboard)
     losses = []
-    for step in range(r.start, tc.steps):
-      m = r.step(step, flops_train, peak)
-      losses.append(m["loss"])
-      if step % config.metrics.log_every == 0 or step == tc.steps - 1:
-        logger.log(step, m)
-      r.save(step + 1)
+    try:
+      for step in range(r.start, tc.steps):
+        m = r.step(step, flops_train, peak)
+        losses.append(m["loss"])
+        if step % config.metrics.log_every == 0 or step == tc.steps - 1:
+          logger.log(step, m)
+        r.save(step + 1)
+    except BaseException:
+      # A step that fails (a NaN under nan_policy='stop', the data, Ctrl-C) ended the process
+      # before the save started a step earlier was committed: the run resumed up to `every` steps
+      # further back. Commit it first.
+      r.ckpt.close()
+      raise
     r.save(tc.steps, force=True)
     r.ckpt.wait()
     summary = logger.close()
