@@ -5,7 +5,7 @@ Anthropic as `source: {type: base64, media_type, data}`. The server has no
 network, so http(s) URLs are refused with a message saying what to send
 instead. Decoding is restricted to PNG, JPEG, GIF and WebP (Pillow), and both
 sizes are bounded before the work they would cost: the encoded file's bytes
-(`config.serving.max_image_bytes`) from the base64 text's length, before it is
+(`config.serving.max_image_bytes`) from the base64 text's length (whitespace aside), before it is
 decoded, and the pixel count (`config.serving.max_image_pixels`) from the
 header, before any pixel is decoded, so a small compressed "decompression
 bomb" cannot exhaust memory. The API front-ends call `decode_image` in a
@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import numbers
 import re
 import warnings
 
@@ -42,12 +43,13 @@ def _padded(s: str) -> str:
 
 def _b64(text: str, where: str, max_bytes: int | None) -> bytes:
   """Standard or URL-safe base64, whitespace and missing padding tolerated; at most max_bytes decoded."""
-  if max_bytes is not None and len(text) // 4 * 3 > max_bytes + 3 * 1024:  # whitespace slack
-    raise ValueError(f"image is about {len(text) // 4 * 3 / 1e6:.1f} MB, more than the server's limit of "
+  chars = _b64_chars(text)  # line breaks are no image bytes: MIME base64 has 2 in every 78 characters
+  if max_bytes is not None and len(chars) // 4 * 3 > max_bytes + 2:  # + 2: at most 2 padding bytes
+    raise ValueError(f"image is about {len(chars) // 4 * 3 / 1e6:.1f} MB, more than the server's limit of "
                      f"{max_bytes / 1e6:.1f} MB per image (config.serving.max_image_bytes); send a "
                      "smaller or more compressed image.")
   try:
-    data = base64.b64decode(_padded(_b64_chars(text)), validate=True)
+    data = base64.b64decode(_padded(chars), validate=True)
   except (binascii.Error, ValueError) as e:
     raise ValueError(f"{where} is not valid base64 ({e}); send the image file's bytes base64-encoded "
                      "or as a data URL (data:image/png;base64,...).") from None
@@ -131,9 +133,9 @@ def decode_image(source: str | bytes, image_size: int, channels: int = 3, *, max
     ValueError: a URL, bad base64, an undecodable or unsupported file, or an
       image over max_bytes or max_pixels; the message names the problem and the limit.
   """
-  if not isinstance(image_size, int) or image_size <= 0:
+  if not _is_int(image_size) or image_size <= 0:
     raise ValueError(f"image_size={image_size!r}: expected a positive int.")
-  if channels not in _MODES:
+  if not _is_int(channels) or channels not in _MODES:
     raise ValueError(f"channels={channels!r}: expected 3 (RGB) or 1 (grayscale).")
   data = image_bytes(source, max_bytes)
   try:
@@ -165,6 +167,11 @@ def decode_image(source: str | bytes, image_size: int, channels: int = 3, *, max
                      f"{e}); the file may be truncated or corrupt.") from None
   arr = np.asarray(img, dtype=np.float32) / 255.0
   return arr.reshape(image_size, image_size, channels)
+
+
+def _is_int(x) -> bool:
+  """An int or NumPy integer, not a bool (True would be a size of 1) nor a float (3.0)."""
+  return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def _orientation(img: Image.Image) -> Image.Transpose | None:

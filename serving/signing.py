@@ -77,10 +77,10 @@ def verify_thinking(key: bytes, thinking: str, signature: str) -> bool:
   _check_key(key)
   if not isinstance(thinking, str) or not isinstance(signature, str):
     return False
-  expected = sign_thinking(key, thinking).encode("ascii")
   try:
+    expected = sign_thinking(key, thinking).encode("ascii")
     given = signature.encode("ascii")
-  except UnicodeEncodeError:
+  except UnicodeEncodeError:  # non-ASCII signature, or a lone surrogate (JSON "\ud800") in the text
     return False
   return hmac.compare_digest(expected, given)
 
