@@ -14,23 +14,13 @@ from serving.admission import validate_engine_args, validate_request
 from serving.grammar import JsonMatcher, SchemaError, check_schema, compile_schema, validate_arguments
 from serving.handle import Request, RequestError
 from serving.types import SamplingParams
+from tests.test_grammar import accepts
 from training.tokenizer import default_tokenizer_path, load_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tok():
   return load_tokenizer(default_tokenizer_path("tiny"))
-
-
-def accepts(tok, schema, text) -> bool:
-  """Whether `text` (canonical separators) is a complete document under the closed `schema`."""
-  m = JsonMatcher(compile_schema(tok, schema, "s"))
-  try:
-    for i in tok.encode(text):
-      m.consume(i)
-  except ValueError:
-    return False
-  return m.accepting
 
 
 A = {"type": "object", "properties": {"a": {"type": "integer"}}}  # closed: only "a"
