@@ -6,7 +6,9 @@ with status 400, as OpenAI answers; serving/errors.py words the first error,
 for this API and the Anthropic one alike). Unknown fields are accepted and ignored
 (clients send `user`, `metadata`, `store`, ...); features this server does
 not have (logprobs, `suffix`, `best_of` > n, logit_bias, penalties, `functions`)
-are refused with a 400 naming the field rather than silently ignored.
+are refused with a 400 naming the field rather than silently ignored, and so are
+combinations OpenAI refuses (`best_of` < n, `stream_options` without `stream`, a
+conversation ending in tool calls no tool message answers).
 `parallel_tool_calls=false` is honoured: at most one call per turn.
 
 Types are strict, as in the Anthropic schema (serving/anthropic_schema.py):
@@ -148,7 +150,12 @@ def stop_strings(stop: str | list[str] | None) -> list[str]:
   return stops
 
 
-# (field, is it a use of something this server lacks (value, body), the 400's message)
+def _whole(v: Any) -> bool:
+  return isinstance(v, int) and not isinstance(v, bool)
+
+
+# (field, is it a use of something this server lacks or a combination it refuses (value, body), the 400's
+# message)
 _UNSUPPORTED = (
     ("logprobs", lambda v, b: v not in (None, False, 0),
      "logprobs are not supported by this server; leave `logprobs` unset."),
@@ -163,8 +170,13 @@ _UNSUPPORTED = (
     ("function_call", lambda v, b: v is not None,
      "function_call is not supported; use `tools` and `tool_choice`."),
     ("suffix", lambda v, b: bool(v), "suffix (insertion) is not supported by this server."),
-    ("best_of", lambda v, b: v not in (None, 1, b.n),
+    ("best_of", lambda v, b: v is not None and not (_whole(v) and v <= b.n),
      "best_of > n is not supported (it needs logprobs to rank candidates); use n."),
+    ("best_of", lambda v, b: _whole(v) and v < b.n,
+     "best_of must be at least n (each returned choice is the best of best_of candidates); leave it "
+     "unset."),
+    ("stream_options", lambda v, b: v is not None and not b.stream,
+     "stream_options is only allowed when stream is true; leave it unset or set stream."),
 )
 
 
@@ -356,6 +368,10 @@ def _check_answered(msgs: list[ChatMessage]) -> None:
                      "messages responding to each 'tool_call_id'. The following tool_call_ids did not "
                      f"have response messages: {', '.join(unanswered)}.", param=f"messages[{i}]")
     unanswered = [c.id for c in m.tool_calls or []] if m.role == "assistant" else []
+  if unanswered:
+    raise APIError(400, f"messages[{len(msgs) - 1}]: the conversation ends with tool calls that no tool "
+                   f"message answers ({', '.join(unanswered)}); append a tool message for each before "
+                   "asking for the next turn.", param=f"messages[{len(msgs) - 1}]")
 
 
 def convert_messages(msgs: list[ChatMessage], decode: ImageDecoder) -> list[Message]:

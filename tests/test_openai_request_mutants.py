@@ -108,6 +108,33 @@ def test_unsupported_completion_fields():
     assert e.value.param == param
 
 
+def test_refused_combinations():
+  """OpenAI's 400s: best_of below n (each choice is the best of best_of), stream_options without
+  stream; a chat body's best_of (no such field) is refused unless it is a neutral 1."""
+  comp = lambda **kw: CompletionRequest.model_validate({"model": "m", "prompt": "p", **kw})  # noqa: E731
+  for body, message in [(comp(n=3, best_of=1), "at least n"), (comp(n=3, best_of=2), "at least n"),
+                        (comp(stream_options={"include_usage": True}), "only allowed when stream"),
+                        (_chat(stream=False, stream_options={}), "only allowed when stream"),
+                        (_chat(best_of=2), "not supported"), (_chat(best_of="2"), "not supported")]:
+    with pytest.raises(APIError, match=message) as e:
+      refuse_unsupported(body)
+    assert e.value.status == 400 and e.value.param in ("best_of", "stream_options")
+  for body in [comp(n=3, best_of=3), comp(n=1, best_of=1), comp(stream=True, stream_options={}),
+               _chat(best_of=1), _chat(stream=True, stream_options={"include_usage": True})]:
+    refuse_unsupported(body)
+
+
+def test_a_conversation_may_not_end_in_unanswered_tool_calls():
+  call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+  msgs = [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [call]}]
+  with pytest.raises(APIError, match="ends with tool calls that no tool message answers \\(c1\\)") as e:
+    convert_messages(_chat(messages=msgs).messages, ImageDecoder(None, 4))
+  assert e.value.param == "messages[1]"
+  answered = msgs + [{"role": "tool", "tool_call_id": "c1", "content": "r"}]
+  assert [m.role for m in convert_messages(_chat(messages=answered).messages, ImageDecoder(None, 4))] == \
+    ["user", "assistant", "tool"]
+
+
 # ---- tools -----------------------------------------------------------------------------------
 def _fn(name, parameters=None, **kw):
   return {"type": "function", "function": {"name": name, **({} if parameters is None else
