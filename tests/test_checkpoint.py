@@ -278,7 +278,7 @@ def test_a_damaged_step_is_named_with_the_way_back(tmp_path):
   meta = d / "2" / "meta" / "metadata"
   good = json.loads(meta.read_text())
   for bad, says in (("[1, 2]", "a JSON object was expected, got list"),
-                    ('{"format_version": 1}', r"format_version=1, step=None \(ints expected\)"),
+                    ('{"format_version": 1}', r"format_version=1, step=None \(ints expected"),
                     (json.dumps({**good, "rng": {"data": [1]}}), r"rng=\{'data': \[1\]\}.*KeyError"),
                     (json.dumps(good)[:40], r"reading items \['meta'\] failed \(JSONDecodeError")):
     meta.write_text(bad)

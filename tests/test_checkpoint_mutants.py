@@ -216,8 +216,11 @@ def test_meta_json_refuses_what_it_cannot_store_faithfully():
   back = ck.read_meta_dict(ck.make_meta(1, None, jax.random.key(3, impl="rbg"), {}), "ckpt")["rng"]
   assert jax.dtypes.issubdtype(back.dtype, jax.dtypes.prng_key)  # a typed key, not its raw data
   assert str(jax.random.key_impl(back)) == str(jax.random.key_impl(jax.random.key(0, impl="rbg")))
-  with pytest.raises(ck.CheckpointError, match=r"ckpt: item 'meta' is damaged: format_version=True"):
-    ck.read_meta_dict({**meta, "format_version": True}, "ckpt")
+  for bad in [{"format_version": True}, {"format_version": 0}, {"format_version": -1}, {"step": -1},
+              {"step": True}, {"step": 2.0}]:
+    with pytest.raises(ck.CheckpointError, match=r"ckpt: item 'meta' is damaged: format_version="):
+      ck.read_meta_dict({**meta, **bad}, "ckpt")
+  assert ck.read_meta_dict({**meta, "step": 0}, "ckpt")["step"] == 0
   with pytest.raises(ck.CheckpointError,
                      match=r"item 'meta' is damaged: data_states=\{'0': 1\} is not a list"):
     ck.read_meta_dict({**meta, "data_states": {"0": 1}}, "ckpt")

@@ -105,9 +105,11 @@ def read_meta_dict(meta: Any, where: str) -> dict:
   if not isinstance(meta, Mapping):
     raise CheckpointError(f"{damaged}: a JSON object was expected, got {type(meta).__name__}.")
   version = meta.get("format_version")
-  if not isinstance(version, int) or isinstance(version, bool) or not isinstance(meta.get("step"), int):
-    raise CheckpointError(f"{damaged}: format_version={version!r}, step={meta.get('step')!r} "
-                          "(ints expected).")
+  step = meta.get("step")
+  ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (version, step))
+  if not ints or version < 1 or step < 0:
+    raise CheckpointError(f"{damaged}: format_version={version!r}, step={step!r} "
+                          "(ints expected: a version from 1, a step from 0).")
   if version > FORMAT_VERSION:
     raise CheckpointError(f"{where}: format_version {version!r}; this code reads versions up to "
                           f"{FORMAT_VERSION} (update Horizon to read it).")
