@@ -53,12 +53,16 @@ class ContextFull(EndpointError):
 
 
 # How servers say a request is past the context, and the room it leaves: ours ("... exceeds the
-# context of 256 tokens; ... at most 61"), OpenAI's ("maximum context length is C tokens. However,
-# you requested T tokens (P in the messages, ..."), Anthropic's ("... exceed context limit: P + M > C",
-# or for a prompt alone past it "prompt is too long: P tokens > C maximum").
+# context of 256 tokens; ... at most 61"; a prompt alone too long: "The prompt is P tokens, but this
+# model's context is C tokens" or "... so at least P tokens (one token covers at most 4 bytes), but
+# this model's context is C tokens", whose "at most" is no room), OpenAI's ("maximum context length
+# is C tokens. However, you requested T tokens (P in the messages, ..."), Anthropic's ("... exceed
+# context limit: P + M > C", or for a prompt alone past it "prompt is too long: P tokens > C maximum").
 _CONTEXT_WORDS = re.compile(r"context (length|limit|window|of)|exceeds? (the )?context|prompt is too long",
                             re.IGNORECASE)
 _ROOM = (
+  (re.compile(r"(?:prompt is|at least) (\d+) tokens\b.*?context is (\d+) tokens", re.DOTALL),
+   lambda m: int(m[2]) - int(m[1])),
   (re.compile(r"at most (\d+)"), lambda m: int(m[1])),
   (re.compile(r"context length is (\d+) tokens.*?\((\d+) in the messages", re.DOTALL),
    lambda m: int(m[1]) - int(m[2])),

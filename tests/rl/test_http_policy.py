@@ -102,6 +102,16 @@ def test_context_errors_are_read_in_each_servers_wording():
   anthropic = json.dumps({"type": "error", "error": {"type": "invalid_request_error", "message": (
       "input length and `max_tokens` exceed context limit: 197000 + 8192 > 200000, decrease input length")}})
   assert [context_full(400, t).room for t in (ours, openai, anthropic)] == [61, 1192, 3000]
+  # Our prompt-alone refusals leave no room (the "at most 4 bytes" was read as room for 4 tokens,
+  # and the client asked again with 4, 2, 1 tokens before giving up).
+  prompt_alone = openai_error("The prompt is 300 tokens, but this model's context is 256 tokens "
+                              "(config.serving.max_context) and must leave room for at least one generated "
+                              "token; shorten the input.")
+  chars = openai_error("The prompt has 4000 characters, so at least 1000 tokens (one token covers at most "
+                       "4 bytes), but this model's context is 256 tokens (config.serving.max_context) and "
+                       "must leave room for at least one generated token; shorten the input.")
+  equal = openai_error("The prompt is 256 tokens, but this model's context is 256 tokens (...)")
+  assert [context_full(400, t).room for t in (prompt_alone, chars, equal)] == [-44, -744, 0]
   assert context_full(400, '{"error": {"message": "temperature must be >= 0"}}') is None
   assert context_full(429, ours) is None and context_full(400, "not json") is None
 

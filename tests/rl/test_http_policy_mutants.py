@@ -205,9 +205,14 @@ def test_context_full_asks_again_with_the_room_named_or_half(endpoint):
   seen = endpoint(_error(400, full.format(0)))
   comp = _complete(http.OpenAIPolicy("http://h", "m"), sampling=Sampling(max_tokens_per_turn=100))
   assert len(seen) == 1 and comp.finish_reason == "length" and comp.message.content[0].text == ""
-  # our server's prompt-too-long names no room, only its code: the limit is halved
+  # our server's prompt-too-long leaves no room: the turn ends 'length' after one request (it was
+  # asked again with 50, 25, ... tokens, each failing the same way)
   prompt = "The prompt is 300 tokens, but this model's context is 256 tokens; shorten the input."
   seen = endpoint(_error(400, prompt, "context_length_exceeded"), ok)
+  comp = _complete(http.OpenAIPolicy("http://h", "m"), sampling=Sampling(max_tokens_per_turn=100))
+  assert [b["max_completion_tokens"] for _, _, b in seen] == [100] and comp.finish_reason == "length"
+  # a context error naming no room is halved
+  seen = endpoint(_error(400, "the request is past the context window", "context_length_exceeded"), ok)
   _complete(http.OpenAIPolicy("http://h", "m"), sampling=Sampling(max_tokens_per_turn=100))
   assert [b["max_completion_tokens"] for _, _, b in seen] == [100, 50]
   seen = endpoint(_error(400, "temperature must be >= 0"))  # a 400 about anything else fails the turn
