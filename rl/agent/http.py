@@ -189,6 +189,8 @@ class OpenAIPolicy(HTTPPolicy):
   api = "openai"
 
   def session(self, task, first, tools, tier, sampling) -> Session:
+    if tier not in OPENAI_EFFORT:  # every episode would fail on its first turn with a KeyError
+      raise ValueError(f"tier {tier!r} has no OpenAI reasoning_effort; tiers: low, high, max or None (off)")
     return _OpenAISession(self, tools, tier, sampling)
 
 
@@ -274,6 +276,8 @@ class AnthropicPolicy(HTTPPolicy):
   api = "anthropic"
 
   def session(self, task, first, tools, tier, sampling) -> Session:
+    if tier is not None and tier not in self.budgets:  # as EnginePolicy: not a KeyError on every turn
+      raise ValueError(f"tier {tier!r} has no thinking budget; configured tiers: {sorted(self.budgets)}")
     return _AnthropicSession(self, tools, tier, sampling)
 
 

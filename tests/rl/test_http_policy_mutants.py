@@ -294,3 +294,19 @@ def test_one_policy_serves_successive_event_loops():
   finally:
     server.shutdown()
     server.server_close()
+
+
+def test_an_unknown_tier_is_refused_when_the_session_opens(endpoint):
+  """A tier with no reasoning_effort (OpenAI) or no thinking budget (Anthropic) failed every turn
+  with a KeyError, and every episode ended 'error'; it is refused up front, as EnginePolicy does."""
+  seen = endpoint()
+  with pytest.raises(ValueError, match=r"tier 'medium' has no OpenAI reasoning_effort"):
+    http.OpenAIPolicy("http://h", "m").session(None, [USER], [ECHO], "medium", Sampling())
+  with pytest.raises(ValueError, match=r"tier 'max' has no thinking budget; configured tiers: \['low'\]"):
+    http.AnthropicPolicy("http://h", "m", thinking_budgets={"low": 8}).session(None, [USER], [ECHO], "max",
+                                                                               Sampling())
+  assert seen == []
+  for tier in (None, "low", "high", "max"):
+    http.OpenAIPolicy("http://h", "m").session(None, [USER], [ECHO], tier, Sampling())
+  http.AnthropicPolicy("http://h", "m", thinking_budgets={"low": 8}).session(None, [USER], [ECHO], None,
+                                                                             Sampling())
