@@ -7,7 +7,10 @@ tool, no closing marker) is answer text, as the APIs deliver it, and ends the ep
 counted in `Episode.malformed_calls` (engine policies). Tool failures are tool results, never
 exceptions; a policy failure (an HTTP error, an engine error) or an environment that fails
 while running tool calls (a dead Ray actor) ends only its own episode, with `end='error'` and
-the reason, and is graded like any other end state.
+the reason, and is graded like any other end state. An environment that fails to open or reset
+(its workspace, its setup) ends its episode the same way, ungraded (reward 0): evaluation leaves
+it out and replays it on resume, RL drops its group. A policy that refuses the session (an
+unknown tier) is a configuration error and stops the run.
 """
 
 from __future__ import annotations
@@ -130,10 +133,21 @@ async def run_episode(
   """Plays `task` to the end with `policy`; returns the graded Episode."""
   start = time.monotonic()
   ep = Episode(task_id=task.id, domain=task.domain, tier=tier)
-  env = await executor.open(task)
+  try:
+    env = await executor.open(task)
+  except Exception as e:  # e.g. no Ray actor could be placed: this episode only, as a failed reset
+    _log.warning("task %s: opening its environment failed: %s", task.id, e)
+    ep.end, ep.error = "error", f"environment failed to open: {type(e).__name__}: {e}"
+    ep.wall_s = time.monotonic() - start
+    return ep
   session = None
   try:
-    first_text, tools = await env.reset()
+    try:
+      first_text, tools = await env.reset()
+    except Exception as e:  # the workspace or its setup failed: not a sample of the policy's behaviour
+      _log.warning("task %s: resetting its environment failed: %s", task.id, e)
+      ep.end, ep.error = "error", f"environment failed to start: {type(e).__name__}: {e}"
+      return ep
     messages: list[Message] = []
     if config.system_prompt:
       messages.append(Message("system", [TextPart(config.system_prompt)]))
@@ -159,7 +173,7 @@ async def run_episode(
       await env.close()
     except Exception:  # e.g. the actor of a failed environment is gone; the episode's result stands
       _log.exception("closing the environment of task %s failed", task.id)
-  ep.wall_s = time.monotonic() - start
+    ep.wall_s = time.monotonic() - start
   return ep
 
 

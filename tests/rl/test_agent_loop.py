@@ -160,6 +160,39 @@ def test_environment_failure_ends_only_its_episode(caplog):
   assert "closing the environment of task dies failed" in caplog.text
 
 
+def test_an_environment_that_fails_to_open_or_start_ends_only_its_episode(caplog):
+  """A failed open (no actor placed) or reset (a workspace or setup failure) ended the whole run;
+  now the episode ends 'error', ungraded and unplayed (evaluation replays it, RL drops its group),
+  and a started environment is still closed."""
+  from rl.agent.episode import unplayed
+
+  class Failing(EchoExecutor):
+    async def open(self, task):
+      if task.id == "no-open":
+        raise ConnectionError("no actor could be placed")
+      handle = await super().open(task)
+      if task.id == "no-reset":
+
+        async def fail():
+          raise OSError("the workspace could not be made")
+
+        handle.reset = fail
+      return handle
+
+  tasks = [_task("no-open"), _task("no-reset"), _task("good")]
+  policy = OraclePolicy({t.id: [_turn("<answer>done</answer>")] for t in tasks})
+  executor = Failing()
+  eps = asyncio.run(run_episodes([(t, None, Sampling()) for t in tasks], policy, executor))
+  assert [e.end for e in eps] == ["error", "error", "answer"]
+  assert [unplayed(e) for e in eps] == [True, True, False]
+  assert eps[0].error == "environment failed to open: ConnectionError: no actor could be placed"
+  assert eps[1].error == "environment failed to start: OSError: the workspace could not be made"
+  assert [(e.reward, e.success, e.grade, e.messages) for e in eps[:2]] == [(0.0, False, {}, [])] * 2
+  assert eps[2].success and all(e.wall_s > 0 for e in eps)
+  assert executor.closed == 2  # the reset that failed and the good one; nothing was opened for the first
+  assert "opening its environment failed" in caplog.text and "resetting its environment failed" in caplog.text
+
+
 def test_grader_failure_scores_only_its_episode_0(caplog):
   """An answer that crashed the grader (e.g. thousands of digits) ended the whole run before."""
   tasks = [_task("good"), _task("crashes")]
