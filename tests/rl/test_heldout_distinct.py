@@ -82,3 +82,22 @@ def test_every_generator_is_prefix_stable(domain):
     few = mod.generate(split="heldout", difficulty=level, n=2, seed=3)
     more = mod.generate(split="heldout", difficulty=level, n=4, seed=3)
     assert [t.to_json() for t in few] == [t.to_json() for t in more[:2]], (domain, level)
+
+
+def test_numpy_integers_draw_the_same_tasks_and_other_types_are_refused():
+  """A numpy level or count (from an array of levels) failed with "must be an integer ... got
+  np.int64(2)"; a bool level drew level 1 and a float n failed inside range()."""
+  import numpy as np
+
+  plain = generators.generate("math", split="heldout", difficulty=2, n=5, seed=3)
+  got = generators.generate("math", split="heldout", difficulty=np.int64(2), n=np.int32(5), seed=np.uint8(3))
+  assert [t.to_json() for t in got] == [t.to_json() for t in plain]
+  assert type(got[0].meta["difficulty"]) is int and type(got[0].meta["seed"]) is int
+  for kw, says in [(dict(difficulty=True, n=2), "difficulty for math must be an integer in 0..4; got True"),
+                   (dict(difficulty=2.0, n=2), "must be an integer in 0..4; got 2.0"),
+                   (dict(difficulty=2, n=2.0), "n must be an integer >= 1; got 2.0"),
+                   (dict(difficulty=2, n=False), "n must be an integer >= 1; got False")]:
+    with pytest.raises(ValueError, match=says):
+      generators.generate("math", split="train", **kw)
+  with pytest.raises(ValueError, match=r"difficulty for math: pass a Python int, int\(difficulty\)"):
+    generators.module("math").generate(split="train", difficulty=np.int64(2), n=2, seed=0)

@@ -25,6 +25,7 @@ from types import ModuleType
 from typing import Any
 
 from model.config import ConfigError
+from rl.tasks.generators import common
 from rl.tasks.schema import DOMAINS, Task
 
 SPLITS = ("train", "heldout")
@@ -45,10 +46,13 @@ def generate(domain: str, *, split: str, difficulty: int, n: int, seed: int = 0)
   if split not in SPLITS:
     raise ValueError(f"split must be one of {', '.join(SPLITS)}; got {split!r}")
   top = max_difficulty(domain)
-  if not isinstance(difficulty, int) or not 0 <= difficulty <= top:
+  if not common.is_whole(difficulty) or not 0 <= difficulty <= top:
     raise ValueError(f"difficulty for {domain} must be an integer in 0..{top}; got {difficulty!r}")
-  if n < 1:
-    raise ValueError(f"n must be >= 1; got {n}")
+  if not common.is_whole(n) or n < 1:
+    raise ValueError(f"n must be an integer >= 1; got {n!r}")
+  if not common.is_whole(seed):
+    raise ValueError(f"seed must be an integer; got {seed!r}")
+  difficulty, n, seed = int(difficulty), int(n), int(seed)
   draw = module(domain).generate
   if split == "train":  # drawn with replacement, as training samples
     return draw(split=split, difficulty=difficulty, n=n, seed=seed)
