@@ -45,6 +45,9 @@ def check_prefix_settings(mb: Any, block: Any, prefill_chunk: int) -> None:
   if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not (mb >= 0 and math.isfinite(mb)):
     raise ConfigError(f"Engine: prefix_cache_mb={mb!r} must be a finite number >= 0 (0 = off; "
                       "config.serving.prefix_cache_mb).")
+  if mb and mb * 2**20 < 1:  # the budget in whole bytes would be 0 (PrefixCache needs >= 1)
+    raise ConfigError(f"Engine: prefix_cache_mb={mb!r} is under one byte; use 0 to turn the cache off "
+                      "(config.serving.prefix_cache_mb).")
   if mb and (isinstance(block, bool) or not isinstance(block, int) or block < 1 or prefill_chunk % block):
     raise ConfigError(f"Engine: prefix_cache_block={block!r} must be a positive divisor of "
                       f"prefill_chunk={prefill_chunk} (config.serving.prefix_cache_block), so every "
