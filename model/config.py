@@ -33,6 +33,28 @@ class ConfigError(ValueError):
   """A config field has a missing, unknown or invalid value."""
 
 
+def _is_int(value: Any) -> bool:
+  """An int that is not a bool (True would count as 1 layer, expert, ...)."""
+  return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _validate_vision(v: "VisionConfig") -> None:
+  if not isinstance(v.enabled, bool):
+    raise ConfigError(f"config.model.vision.enabled={v.enabled!r}: must be True or False.")
+  if not v.enabled:
+    return
+  for f in ("image_size", "patch_size", "num_channels", "width", "depth", "num_heads", "mlp_dim"):
+    value = getattr(v, f)
+    if not _is_int(value) or value < 1:
+      raise ConfigError(f"config.model.vision.{f}={value!r}: must be a positive int.")
+  if v.image_size % v.patch_size:
+    raise ConfigError(f"config.model.vision.image_size={v.image_size} is not a multiple of "
+                      f"patch_size={v.patch_size}.")
+  if v.width % v.num_heads:
+    raise ConfigError(f"config.model.vision.width={v.width} is not divisible by "
+                      f"num_heads={v.num_heads}.")
+
+
 def _from_mapping(cls, mapping: Any, where: str):
   d = dict(mapping.items()) if hasattr(mapping, "items") else dict(mapping)
   names = {f.name for f in dataclasses.fields(cls)}
@@ -166,7 +188,12 @@ class ModelConfig:
               "delta_qk_heads", "delta_v_heads", "delta_qk_dim", "delta_v_dim",
               "delta_conv_size", "delta_chunk_size", "num_experts", "experts_per_token",
               "expert_dim", "dsa_period"):
-      need(isinstance(getattr(self, f), int) and getattr(self, f) > 0, f, "must be a positive int.")
+      need(_is_int(getattr(self, f)) and getattr(self, f) > 0, f, "must be a positive int.")
+    # Counts and ids that may be 0: a float (1.5 shared experts, 1.5 dense layers) or a bool
+    # passed the range checks below and built a different model than asked for.
+    for f in ("dsa_offset", "num_dense_layers", "dsa_dense_len", "num_shared_experts", "router_groups",
+              "router_topk_groups", "image_token_id"):
+      need(_is_int(getattr(self, f)), f, "must be an int.")
     for f, why in (("norm_eps", "the RMSNorm epsilon"), ("rope_theta", "the RoPE base"),
                    ("routed_scaling", "the routed experts' output scale; 0 would switch them off")):
       value = getattr(self, f)
@@ -178,7 +205,7 @@ class ModelConfig:
     need(self.qk_rope_dim % 2 == 0, "qk_rope_dim", "RoPE needs an even number of dims.")
     need(self.qk_rope_dim <= self.index_head_dim, "index_head_dim",
          "the indexer applies RoPE to its first qk_rope_dim dims, so it must be >= qk_rope_dim.")
-    need(isinstance(self.dsa_dense_len, int) and self.dsa_dense_len >= 0, "dsa_dense_len",
+    need(self.dsa_dense_len >= 0, "dsa_dense_len",
          "must be an int >= 0 (0: the sparse stage always gathers its top-k keys).")
     need(self.indexer_stage in ("dense_warmup", "sparse"), "indexer_stage",
          "choose 'dense_warmup' (only the indexer trains, dense KL) or 'sparse'.")
@@ -197,8 +224,10 @@ class ModelConfig:
          "the selected groups hold fewer experts than experts_per_token; raise router_topk_groups.")
     need(self.expert_exchange in ("auto", "ragged", "capacity"), "expert_exchange",
          "choose 'auto' (ragged on TPU/GPU, capacity on CPU), 'ragged' (dropless) or 'capacity'.")
-    need(isinstance(self.capacity_factor, (int, float)) and self.capacity_factor > 0,
-         "capacity_factor", "must be a positive number (>= the expert mesh axis size never drops).")
+    need(isinstance(self.capacity_factor, (int, float)) and not isinstance(self.capacity_factor, bool)
+         and 0 < self.capacity_factor < math.inf, "capacity_factor",
+         "must be a finite number > 0 (>= the expert mesh axis size never drops).")
+    need(isinstance(self.norm_topk_prob, bool), "norm_topk_prob", "must be True or False.")
     need(self.remat in ("none", "full", "save_dots"), "remat", "choose 'none', 'full' or 'save_dots'.")
     need(isinstance(self.scan_layers, bool), "scan_layers", "must be True or False.")
     need(self.kernels in KERNELS, "kernels", f"choose one of {KERNELS}.")
@@ -213,18 +242,7 @@ class ModelConfig:
     need(longest_wavelength >= self.max_seq_len, "rope_theta",
          f"longest RoPE wavelength {longest_wavelength:.3g} < max_seq_len={self.max_seq_len}; "
          "raise rope_theta.")
-    v = self.vision
-    if v.enabled:
-      for f in ("image_size", "patch_size", "num_channels", "width", "depth", "num_heads", "mlp_dim"):
-        value = getattr(v, f)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-          raise ConfigError(f"config.model.vision.{f}={value!r}: must be a positive int.")
-      if v.image_size % v.patch_size:
-        raise ConfigError(f"config.model.vision.image_size={v.image_size} is not a multiple of "
-                          f"patch_size={v.patch_size}.")
-      if v.width % v.num_heads:
-        raise ConfigError(f"config.model.vision.width={v.width} is not divisible by "
-                          f"num_heads={v.num_heads}.")
+    _validate_vision(self.vision)
 
 
 def model_config(config: Any) -> ModelConfig:
