@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -71,26 +72,42 @@ def validate_request(request: Request, *, max_context: int, vocab_size: int, mod
   if len(ids) > max_context:
     raise RequestError(f"the prompt has {len(ids)} tokens, more than the context of "
                        f"{max_context} tokens; shorten it.", "prompt")
-  arr = np.asarray(ids)
+  try:
+    arr = np.asarray(ids)
+  except ValueError:  # a ragged list
+    arr = np.zeros((0, 0))
   if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer) or arr.min() < 0 or arr.max() >= vocab_size:
     raise RequestError(f"prompt ids must be ints in [0, {vocab_size}).", "prompt")
-  if not isinstance(p.max_tokens, numbers.Integral) or p.max_tokens < 1:
+  if not _is_int(p.max_tokens) or p.max_tokens < 1:
     raise RequestError(f"max_tokens={p.max_tokens!r} must be a positive int.", "max_tokens")
   if len(ids) + p.max_tokens > max_context:
     raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({p.max_tokens}) = "
                        f"{len(ids) + p.max_tokens} exceeds the context of {max_context} "
                        f"tokens; lower max_tokens to at most {max_context - len(ids)}.", "max_tokens")
-  if not isinstance(p.temperature, numbers.Real) or not np.isfinite(p.temperature) or p.temperature < 0:
-    raise RequestError(f"temperature={p.temperature!r} must be a number >= 0 (0 = greedy).", "temperature")
-  if not isinstance(p.top_p, numbers.Real) or not 0 < p.top_p <= 1:
-    raise RequestError(f"top_p={p.top_p!r} must be a number in (0, 1].", "top_p")
-  if not isinstance(p.top_k, numbers.Integral) or not 0 <= p.top_k <= TOP_K_MAX:
-    raise RequestError(f"top_k={p.top_k!r} must be an int in [0, {TOP_K_MAX}] (0 = off).", "top_k")
-  if p.seed is not None and not isinstance(p.seed, numbers.Integral):
-    raise RequestError(f"seed={p.seed!r} must be an int (or None).", "seed")
-  if any(not isinstance(t, numbers.Integral) or not 0 <= t < vocab_size for t in p.stop_token_ids):
-    raise RequestError(f"stop_token_ids must be ids in [0, {vocab_size}).", "stop_token_ids")
+  _validate_sampling(p, vocab_size)
   _validate_images(arr, request.images, model_cfg, has_vision)
+
+
+def _is_int(v: Any) -> bool:
+  """An integer, numpy's too; not a bool (True would read as 1)."""
+  return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
+
+
+def _validate_sampling(p: Any, vocab_size: int) -> None:
+  if (not isinstance(p.temperature, numbers.Real) or isinstance(p.temperature, (bool, np.bool_))
+      or not np.isfinite(p.temperature) or p.temperature < 0):
+    raise RequestError(f"temperature={p.temperature!r} must be a number >= 0 (0 = greedy).", "temperature")
+  if not isinstance(p.top_p, numbers.Real) or isinstance(p.top_p, (bool, np.bool_)) or not 0 < p.top_p <= 1:
+    raise RequestError(f"top_p={p.top_p!r} must be a number in (0, 1].", "top_p")
+  if not _is_int(p.top_k) or not 0 <= p.top_k <= TOP_K_MAX:
+    raise RequestError(f"top_k={p.top_k!r} must be an int in [0, {TOP_K_MAX}] (0 = off).", "top_k")
+  if p.seed is not None and not _is_int(p.seed):
+    raise RequestError(f"seed={p.seed!r} must be an int (or None).", "seed")
+  stops = p.stop_token_ids
+  if (not isinstance(stops, (Sequence, np.ndarray)) or isinstance(stops, (str, bytes))
+      or any(not _is_int(t) or not 0 <= t < vocab_size for t in stops)):
+    raise RequestError(f"stop_token_ids must be a list of ids in [0, {vocab_size}); got {stops!r:.80}.",
+                       "stop_token_ids")
 
 
 def _validate_images(prompt: np.ndarray, images: np.ndarray | None, model_cfg: Any, has_vision: bool) -> None:

@@ -152,6 +152,14 @@ def test_wrong_types_are_request_errors():
   """Not a TypeError from inside the check (an unclear 500 at the server)."""
   assert _param(temperature="1") == "temperature" and _param(top_p="1") == "top_p"
   assert _param(stop_token_ids=[1.5]) == "stop_token_ids"  # a float id never matches: silently no stop
+  # None failed with a TypeError while iterating; bools read as 1 (max_tokens=True gave one token)
+  assert _param(stop_token_ids=None) == "stop_token_ids" and _param(stop_token_ids="12") == "stop_token_ids"
+  assert [_param(**{f: True}) for f in ("max_tokens", "top_k", "seed", "temperature", "top_p")] == \
+    ["max_tokens", "top_k", "seed", "temperature", "top_p"]
+  assert _param(stop_token_ids=[True]) == "stop_token_ids"
+  assert _param(max_tokens=np.bool_(True)) == "max_tokens"
+  assert _param(ids=[[1, 2], [3]]) == "prompt"  # ragged: numpy's ValueError before
+  _check(stop_token_ids=range(2), temperature=1, top_p=1)  # any sequence of ids; ints are numbers
 
 
 def test_images():
