@@ -258,16 +258,22 @@ def with_runtime_overrides(cfg: ModelConfig, overrides: Any, source: str) -> Mod
   e.g. {'kernels': 'pallas'}; nested ones as 'vision.image_size') applied where they are
   RUNTIME_FIELDS. Any other field the weights fix: a different value is refused, naming it,
   instead of being dropped silently."""
-  fixed, runtime = [], {}
+  fixed, runtime, unknown = [], {}, []
   for key, value in dict(overrides or {}).items():
     if key in RUNTIME_FIELDS:
       runtime[key] = value
       continue
     have: Any = cfg
     for part in key.split("."):
-      have = getattr(have, part, value)
-    if have != value:
-      fixed.append(f"config.model.{key}={value!r} ({source} has {have!r})")
+      if not dataclasses.is_dataclass(have) or part not in {f.name for f in dataclasses.fields(have)}:
+        unknown.append(f"config.model.{key}")  # a typo compared equal to itself and was dropped
+        break
+      have = getattr(have, part)
+    else:
+      if have != value:
+        fixed.append(f"config.model.{key}={value!r} ({source} has {have!r})")
+  if unknown:
+    raise ConfigError(f"{', '.join(unknown)}: no such model field; check the spelling.")
   if fixed:
     hint = (" MXFP4 weights come from `python -m experiments.quantize`." if
             any(f.startswith("config.model.quantization=") for f in fixed) else "")

@@ -149,6 +149,11 @@ def test_with_runtime_overrides():
   with pytest.raises(ConfigError, match="config.model.remat"):  # a bad runtime value is still checked
     with_runtime_overrides(cfg, {"remat": "some"}, "ckpt")
   assert "dtype" in RUNTIME_FIELDS and "d_model" not in RUNTIME_FIELDS
+  # a misspelt field compared equal to itself and was dropped silently
+  with pytest.raises(ConfigError, match=r"model.num_layer, config.model.vision.size: no such model field"):
+    with_runtime_overrides(cfg, {"num_layer": 9, "vision.size": 7, "num_layers": cfg.num_layers}, "ckpt")
+  with pytest.raises(ConfigError, match=r"config.model.num_layers.x: no such model field"):
+    with_runtime_overrides(cfg, {"num_layers.x": 1}, "ckpt")
 
 
 def test_model_overrides_reads_the_command_line(monkeypatch):
