@@ -31,6 +31,9 @@ def check_batch(batch: dict[str, np.ndarray], eos_id: int | None = None,
   for k in LM_KEYS:
     if np.shape(batch[k]) != shape or len(shape) != 2:
       raise DataError(f"batch[{k!r}] has shape {np.shape(batch[k])}; all must be [batch, seq] = {shape}.")
+    # Token ids, positions and segment ids index tables: a float batch (5.7 as a token) is a bug upstream.
+    if k != "loss_mask" and not np.issubdtype(np.asarray(batch[k]).dtype, np.integer):
+      raise DataError(f"batch[{k!r}] has dtype {np.asarray(batch[k]).dtype}; it must be an integer dtype.")
   for r in range(shape[0]):
     _check_row(r, *(np.asarray(batch[k][r]) for k in LM_KEYS), eos_id, docs_end_in_row)
 

@@ -106,6 +106,7 @@ class TrainConfig:
     if not isinstance(d["group_max_elements"], int) or d["group_max_elements"] < 0:
       raise ConfigError(f"config.train.group_max_elements={d['group_max_elements']!r}: must be an int "
                         ">= 0 (0: no leaf groups).")
+    _check_optimizer_numbers(d)
     warmup_ok = isinstance(d["warmup_steps"], int) and d["warmup_steps"] >= 0
     for f, ok, rule in (("warmup_steps", warmup_ok, "an int >= 0"),
                         ("b1", 0 <= d["b1"] < 1, "in [0, 1)"), ("b2", 0 <= d["b2"] < 1, "in [0, 1)"),
@@ -117,6 +118,18 @@ class TrainConfig:
     if d["nan_policy"] not in ("stop", "skip"):
       raise ConfigError(f"config.train.nan_policy={d['nan_policy']!r}: choose 'stop' or 'skip'.")
     return cls(**d)
+
+
+def _check_optimizer_numbers(d: Mapping[str, Any]) -> None:
+  """The optimizer's float knobs are numbers (a string failed with a bare TypeError), and eps and
+  weight_decay finite: eps=inf made every update 0 (nothing trained, every step reported finite);
+  weight_decay=inf turned the weights non-finite on the first update."""
+  for f in ("b1", "b2", "eps", "weight_decay", "end_lr_fraction", "grad_clip"):
+    if not isinstance(d[f], (int, float)) or isinstance(d[f], bool):
+      raise ConfigError(f"config.train.{f}={d[f]!r}: must be a number.")
+  for f in ("eps", "weight_decay"):
+    if not math.isfinite(d[f]):
+      raise ConfigError(f"config.train.{f}={d[f]!r}: must be finite.")
 
 
 def learning_rate_schedule(tc: TrainConfig) -> optax.Schedule:
@@ -294,12 +307,24 @@ def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: Mapping[str, 
                                                             tc.group_max_elements)
   metrics["finite"] = jnp.isfinite(metrics["loss"]) & jnp.all(metrics["grad_finite"])
   metrics["learning_rate"] = learning_rate_schedule(tc)(_applied_updates(optimizer))
-  apply_update(model, optimizer, grads)  # apply_if_finite: a no-op on non-finite gradients
+  # apply_if_finite: a no-op on non-finite gradients, and on a non-finite loss (unless_finite).
+  apply_update(model, optimizer, unless_finite(metrics["finite"], grads))
   if "load" in metrics:
     moe = list(find_moe_modules(model).values())
     rate = jnp.where(metrics["finite"], tc.router_bias_rate, 0.0)
     update_router_biases(moe, list(metrics["load"]), rate)
   return metrics
+
+
+def unless_finite(finite: jax.Array, grads: Any) -> Any:
+  """`grads`, with NaN added to its first leaf unless `finite`. apply_if_finite looks at the
+  gradients only: a non-finite loss with finite gradients (an inf auxiliary term without a
+  gradient) was applied while the step reported finite=False and "the update was not applied"."""
+  leaves, treedef = jax.tree.flatten(grads)
+  if not leaves:
+    return grads
+  leaves[0] = leaves[0] + jnp.where(finite, 0.0, jnp.nan).astype(leaves[0].dtype)
+  return jax.tree.unflatten(treedef, leaves)
 
 
 def _applied_updates(optimizer: nnx.Optimizer) -> jax.Array:

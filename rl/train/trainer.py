@@ -289,7 +289,8 @@ class RLRun:
         for k, v in m.items():
           sums[k] = sums.get(k, 0.0) + mp.to_host(v).astype(np.float64) * (1.0 if k in _ADDITIVE else share)
       load = (sums.pop("load") / len(chunks)).astype(np.float32) if "load" in sums else None
-      applied = update_lib.apply_grads(self.model, self.optimizer, grads, load, self.tc)
+      applied = update_lib.apply_grads(self.model, self.optimizer, grads, load, self.tc,
+                                       np.isfinite(sums["loss"]))
       out.update({k: float(mp.to_host(v)) for k, v in applied.items()})
       out.update({k: float(v) for k, v in sums.items()})
     t_update = time.perf_counter() - t0

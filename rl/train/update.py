@@ -18,7 +18,7 @@ from flax import nnx
 from model.moe import find_moe_modules, update_router_biases
 from rl.train import objectives as obj_lib
 from training import leaf_groups
-from training.train_step import TrainConfig, apply_update, learning_rate_schedule
+from training.train_step import TrainConfig, apply_update, learning_rate_schedule, unless_finite
 
 
 def token_logp(model: nnx.Module, batch: Mapping[str, jax.Array], replay: bool = False
@@ -79,13 +79,15 @@ def micro_grads(model: nnx.Module, optimizer: nnx.Optimizer, batch: Mapping[str,
 
 
 @nnx.jit(static_argnames=("tc",), donate_argnums=(2,))
-def apply_grads(model: nnx.Module, optimizer: nnx.Optimizer, grads, load, tc: TrainConfig) -> dict:
-  """One optimizer update (skipped, weights untouched, when gradients are not finite)."""
+def apply_grads(model: nnx.Module, optimizer: nnx.Optimizer, grads, load, tc: TrainConfig,
+                loss_finite: jax.Array | bool = True) -> dict:
+  """One optimizer update (skipped, weights untouched, when the gradients or the loss are not
+  finite: a non-finite loss with finite gradients was applied while the step said it was not)."""
   leaf_finite, grad_norm = leaf_groups.finite_and_norm(grads, tc.group_max_elements)
-  finite = jnp.all(leaf_finite)
+  finite = jnp.all(leaf_finite) & jnp.asarray(loss_finite)
   metrics = {"grad_norm": grad_norm, "finite": finite,
              "learning_rate": learning_rate_schedule(tc)(optimizer.step[...])}
-  apply_update(model, optimizer, grads)
+  apply_update(model, optimizer, unless_finite(finite, grads))
   if load is not None:
     moe = list(find_moe_modules(model).values())
     update_router_biases(moe, list(load), jnp.where(finite, tc.router_bias_rate, 0.0))
