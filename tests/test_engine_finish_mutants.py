@@ -5,16 +5,9 @@ running). Each expected result is an earlier run of the same request without the
 same seed), cut where the edge puts it.
 """
 
-import numpy as np
-
 from serving.engine import Request
 from serving.types import SamplingParams
-
-BOS = 317  # tiny's <|bos|>: the random model (almost) never samples it, so requests run to max_tokens
-
-
-def _prompt(n, seed):
-  return [int(t) for t in np.random.default_rng(seed).integers(3, 300, n)]
+from tests.test_engine_scheduling_audit import BOS, _prompt
 
 
 def _collect(handle):
