@@ -36,6 +36,9 @@ def _rl(algorithm: str) -> ml_collections.ConfigDict:
   r.samples_per_prompt = 8  # the group size
   r.temperature = 1.0
   r.max_refills = 2  # dynamic sampling: extra rounds of prompts when groups are dropped
+  # Stop after this many steps in a row in which every episode failed to play or be graded (a broken
+  # engine, environment or grader); 0 = never stop.
+  r.max_failed_steps = 3
   r.updates_per_step = 1  # passes over each step's batch (1 = on-policy)
   # One-step asynchrony: generate step n+1 (weights before update n) while updating on step n.
   r.async_rollouts = False

@@ -82,6 +82,16 @@ def drop_invalid(episodes: Sequence[Episode], sources: Sequence[str]) -> tuple[l
           [s for s, k in zip(sources, keep, strict=True) if k], len(bad))
 
 
+def first_failure(episodes: Sequence[Episode]) -> str | None:
+  """Why the first episode the policy failed to play (or the grader failed on) failed, else None."""
+  for ep in episodes:
+    if unplayed(ep):
+      return ep.error or "the episode ended 'error'"
+    if ep.grade.get("grader_failed"):
+      return str(ep.grade.get("error"))
+  return None
+
+
 def to_batch(episodes: Sequence[Episode], advantages: np.ndarray, obj: obj_lib.Objective, *,
              pad_multiple: int = 128, pad_id: int = 0) -> dict[str, np.ndarray]:
   """The batch arrays (module docstring) plus advantages [B] and weights [B, T]."""

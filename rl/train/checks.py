@@ -35,6 +35,7 @@ _RUN_KNOBS = (
     ("prompts_per_step", 1, "a step draws at least one prompt"),
     ("samples_per_prompt", 2, "the group size: group-relative advantages need two samples to compare"),
     ("max_refills", 0, "extra rounds of prompts under dynamic sampling"),
+    ("max_failed_steps", 0, "0 never stops"),
     ("updates_per_step", 1, "passes over each step's batch"),
     ("micro_batch", 1, "rows per gradient micro-batch"),
     ("pad_multiple", 1, "rows are padded to a multiple of it"),
@@ -165,3 +166,22 @@ def check_step_finite(step: int, metrics: Mapping[str, float], nan_policy: str) 
     raise FloatingPointError(f"{why}; lower config.train.learning_rate, or set "
                              "config.train.nan_policy='skip' to skip such steps.")
   logging.warning("%s: the update was skipped (config.train.nan_policy='skip')", why)
+
+
+class FailedSteps:
+  """config.rl.max_failed_steps: stop after that many steps in a row in which every group failed to
+  play or be graded (an engine, environment or grader failing every episode). Each such episode
+  ends only itself, so without this a broken setup ran every step without an update, only warning."""
+
+  def __init__(self, limit: int):
+    self.limit, self.streak = limit, 0
+
+  def observe(self, step: int, stats: Mapping[str, Any], first_failure: str | None) -> None:
+    all_failed = stats["groups"] == 0 and stats["groups_invalid"] > 0
+    self.streak = self.streak + 1 if all_failed else 0
+    if self.limit and self.streak >= self.limit:
+      raise RuntimeError(
+        f"RL steps {step - self.streak + 1}..{step}: every group failed to play or be graded, so nothing "
+        f"trained (config.rl.max_failed_steps={self.limit}); the first failure of step {step}: "
+        f"{first_failure}. Fix its cause (the engine, the environments, the graders) and run the same "
+        "command again to resume; max_failed_steps=0 never stops.")

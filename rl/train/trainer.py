@@ -52,7 +52,7 @@ from rl.train import batch as batch_lib
 from rl.train import multiprocess as mp
 from rl.train import objectives as obj_lib
 from rl.train import update as update_lib
-from rl.train.checks import check_rl_config, check_rl_resume, check_step_finite
+from rl.train.checks import FailedSteps, check_rl_config, check_rl_resume, check_step_finite
 from rl.train.mixture import MixtureSampler
 from serving.chat import ChatRenderer
 from serving.engine import Engine
@@ -163,12 +163,15 @@ class RLRun:
     """Episodes of this step (after dynamic sampling), their sources, and rollout stats."""
     kept: list[Episode] = []
     sources: list[str] = []
-    stats = {"groups": 0, "groups_dropped": 0, "groups_invalid": 0, "rounds": 0, "episodes_played": 0}
+    stats: dict[str, Any] = {"groups": 0, "groups_dropped": 0, "groups_invalid": 0, "rounds": 0,
+                             "episodes_played": 0, "first_failure": None}
     busy0 = self.executor.busy_s
     played_success, played_domains, played_sources = [], [], []  # float, domain and source lists
     for round_ in range(1 + int(self.rl.max_refills) if self.obj.dynamic_sampling else 1):
       jobs, srcs = self._jobs(step, round_)
-      eps, srcs, invalid = batch_lib.drop_invalid(self._play(jobs), srcs)
+      played = self._play(jobs)
+      stats["first_failure"] = stats.get("first_failure") or batch_lib.first_failure(played)
+      eps, srcs, invalid = batch_lib.drop_invalid(played, srcs)
       stats["groups_invalid"] += invalid
       stats["rounds"] += 1
       stats["episodes_played"] += len(eps)
@@ -194,7 +197,7 @@ class RLRun:
     stats["env_busy_s"] = self.executor.busy_s - busy0
     # Success over every played episode: with dynamic sampling the trained batch holds only the
     # groups with mixed outcomes, so its own `success` says nothing about how well the policy does.
-    stats["played_success"] = float(np.mean(played_success))
+    stats["played_success"] = float(np.mean(played_success)) if played_success else float("nan")
     for d, v in batch_lib.domain_means(np.asarray(played_success), played_domains).items():
       stats[f"played_success/{d}"] = v
     # what the adaptive mixture learns from (popped before logging): per source, every episode
@@ -397,7 +400,8 @@ def run(config, workdir: str) -> dict[str, Any]:
   the first is one update stale (`staleness` 1), which the recomputed log-probs and TIS correct.
   Weights reach the engine between rollouts, never during one. Resuming such a run regenerates
   its first step on-policy (the stale weights are not checkpointed), so only synchronous runs
-  resume bitwise.
+  resume bitwise. A step whose every episode failed to play or be graded makes no update; after
+  config.rl.max_failed_steps such steps in a row the run stops, naming the first failure.
   """
   r = RLRun(config, workdir)
   steps, every = int(config.rl.steps), int(config.rl.eval_every)
@@ -407,12 +411,14 @@ def run(config, workdir: str) -> dict[str, Any]:
     logger = metrics_lib.MetricsLogger(workdir, total_steps=steps, tensorboard=config.metrics.tensorboard,
                                        console_keys=("reward", "played_success", "step_s"))
     history = []
+    failed = FailedSteps(int(config.rl.max_failed_steps))
     try:
       pending, staleness = None, 0
       for step in range(r.start, steps):
         t0 = time.perf_counter()
         episodes, _, stats = pending.result() if pending is not None else r.rollout(step)
         by_source = stats.pop("by_source")
+        failed.observe(step, stats, stats.pop("first_failure"))  # before this step is saved
         t_roll = time.perf_counter() - t0
         sampler_state = r.sampler.get_state()  # before the next step's draws (what a resume redoes)
         pending = pool.submit(r.rollout, step + 1) if use_async and step + 1 < steps else None
