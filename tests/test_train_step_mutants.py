@@ -209,6 +209,14 @@ def test_train_config_refuses_bad_ints():
     with pytest.raises(ValueError, match=rf"^config.train.{field}={value!r}: must be {rule}.$"):
       _tc(**{field: value})
   assert _tc(b1=0.0, weight_decay=0.0, end_lr_fraction=1.0, grad_clip=0.0, warmup_steps=0).b1 == 0.0
+  # True counted as 1 step / 1 micro-batch; numpy ints (a sweep script's) were refused
+  for field, rule in (("steps", "a positive int"), ("grad_accum", "a positive int"),
+                      ("warmup_steps", "an int >= 0"), ("group_max_elements", "an int >= 0")):
+    with pytest.raises(ValueError, match=rf"^config.train.{field}=True: must be {rule}"):
+      _tc(**{field: True})
+  tc = _tc(steps=np.int64(7), global_batch=np.int32(4), grad_accum=np.int64(2), warmup_steps=np.uint8(3))
+  assert (tc.steps, tc.global_batch, tc.grad_accum, tc.warmup_steps) == (7, 4, 2, 3)
+  assert {type(v) for v in (tc.steps, tc.global_batch, tc.grad_accum, tc.warmup_steps)} == {int}
 
 
 class _InfAux(_Toy):

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any, Mapping
 
 import jax
@@ -90,24 +91,25 @@ class TrainConfig:
     if set(d) != names:
       raise ConfigError(f"config.train: unknown fields {sorted(set(d) - names)}, missing fields "
                         f"{sorted(names - set(d))}.")
+    _plain_ints(d, ("steps", "global_batch", "seq_len", "grad_accum", "warmup_steps", "group_max_elements"))
     for f in ("steps", "global_batch", "seq_len"):
-      if not isinstance(d[f], int) or d[f] < 1:
+      if type(d[f]) is not int or d[f] < 1:
         raise ConfigError(f"config.train.{f}={d[f]!r}: must be a positive int.")
     if not isinstance(d["learning_rate"], (int, float)) or not 0 < d["learning_rate"] < math.inf:
       raise ConfigError(f"config.train.learning_rate={d['learning_rate']!r}: must be a finite number > 0.")
     # A negative router_bias_rate reverses load balancing; NaN in any of them poisons the step.
     check_nonnegative_numbers("train", d, ("z_loss_weight", "seq_aux_weight", "indexer_loss_weight",
                                            "router_bias_rate"))
-    if not isinstance(d["grad_accum"], int) or d["grad_accum"] < 1:
+    if type(d["grad_accum"]) is not int or d["grad_accum"] < 1:
       raise ConfigError(f"config.train.grad_accum={d['grad_accum']!r}: must be a positive int.")
     if d["global_batch"] % d["grad_accum"]:
       raise ConfigError(f"config.train.global_batch={d['global_batch']} is not divisible by "
                         f"config.train.grad_accum={d['grad_accum']}.")
-    if not isinstance(d["group_max_elements"], int) or d["group_max_elements"] < 0:
+    if type(d["group_max_elements"]) is not int or d["group_max_elements"] < 0:
       raise ConfigError(f"config.train.group_max_elements={d['group_max_elements']!r}: must be an int "
                         ">= 0 (0: no leaf groups).")
     _check_optimizer_numbers(d)
-    warmup_ok = isinstance(d["warmup_steps"], int) and d["warmup_steps"] >= 0
+    warmup_ok = type(d["warmup_steps"]) is int and d["warmup_steps"] >= 0
     for f, ok, rule in (("warmup_steps", warmup_ok, "an int >= 0"),
                         ("b1", 0 <= d["b1"] < 1, "in [0, 1)"), ("b2", 0 <= d["b2"] < 1, "in [0, 1)"),
                         ("eps", d["eps"] > 0, "> 0"), ("weight_decay", d["weight_decay"] >= 0, ">= 0"),
@@ -118,6 +120,14 @@ class TrainConfig:
     if d["nan_policy"] not in ("stop", "skip"):
       raise ConfigError(f"config.train.nan_policy={d['nan_policy']!r}: choose 'stop' or 'skip'.")
     return cls(**d)
+
+
+def _plain_ints(d: dict[str, Any], fields: tuple[str, ...]) -> None:
+  """numpy integers (a sweep script's) as Python ints, in place; a bool stays a bool and is refused
+  (True counted as 1 step, 1 micro-batch)."""
+  for f in fields:
+    if isinstance(d[f], numbers.Integral) and not isinstance(d[f], (bool, np.bool_)):
+      d[f] = int(d[f])
 
 
 def _check_optimizer_numbers(d: Mapping[str, Any]) -> None:
