@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any
 
 import jax
@@ -33,9 +34,11 @@ class ConfigError(ValueError):
   """A config field has a missing, unknown or invalid value."""
 
 
-def _is_int(value: Any) -> bool:
-  """An int that is not a bool (True would count as 1 layer, expert, ...)."""
-  return isinstance(value, int) and not isinstance(value, bool)
+def is_int(value: Any, *, numpy: bool = False) -> bool:
+  """An int that is not a bool (True would count as 1 layer, expert, token, ...); numpy=True also
+  takes NumPy's integers (callers that convert them before they reach JSON or a config)."""
+  kinds = numbers.Integral if numpy else int
+  return isinstance(value, kinds) and not isinstance(value, bool)
 
 
 def _validate_vision(v: "VisionConfig") -> None:
@@ -45,7 +48,7 @@ def _validate_vision(v: "VisionConfig") -> None:
     return
   for f in ("image_size", "patch_size", "num_channels", "width", "depth", "num_heads", "mlp_dim"):
     value = getattr(v, f)
-    if not _is_int(value) or value < 1:
+    if not is_int(value) or value < 1:
       raise ConfigError(f"config.model.vision.{f}={value!r}: must be a positive int.")
   if v.image_size % v.patch_size:
     raise ConfigError(f"config.model.vision.image_size={v.image_size} is not a multiple of "
@@ -188,12 +191,12 @@ class ModelConfig:
               "delta_qk_heads", "delta_v_heads", "delta_qk_dim", "delta_v_dim",
               "delta_conv_size", "delta_chunk_size", "num_experts", "experts_per_token",
               "expert_dim", "dsa_period"):
-      need(_is_int(getattr(self, f)) and getattr(self, f) > 0, f, "must be a positive int.")
+      need(is_int(getattr(self, f)) and getattr(self, f) > 0, f, "must be a positive int.")
     # Counts and ids that may be 0: a float (1.5 shared experts, 1.5 dense layers) or a bool
     # passed the range checks below and built a different model than asked for.
     for f in ("dsa_offset", "num_dense_layers", "dsa_dense_len", "num_shared_experts", "router_groups",
               "router_topk_groups", "image_token_id"):
-      need(_is_int(getattr(self, f)), f, "must be an int.")
+      need(is_int(getattr(self, f)), f, "must be an int.")
     for f, why in (("norm_eps", "the RMSNorm epsilon"), ("rope_theta", "the RoPE base"),
                    ("routed_scaling", "the routed experts' output scale; 0 would switch them off")):
       value = getattr(self, f)

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from model.config import ConfigError
+from model.config import ConfigError, is_int
 from serving.handle import Request, RequestError
 
 TOP_K_MAX = 2**31 - 1  # the engine's top_k is int32 (serving/batch.py: sampling_args)
@@ -78,7 +78,7 @@ def validate_request(request: Request, *, max_context: int, vocab_size: int, mod
     arr = np.zeros((0, 0))
   if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer) or arr.min() < 0 or arr.max() >= vocab_size:
     raise RequestError(f"prompt ids must be ints in [0, {vocab_size}).", "prompt")
-  if not _is_int(p.max_tokens) or p.max_tokens < 1:
+  if not is_int(p.max_tokens, numpy=True) or p.max_tokens < 1:
     raise RequestError(f"max_tokens={p.max_tokens!r} must be a positive int.", "max_tokens")
   if len(ids) + p.max_tokens > max_context:
     raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({p.max_tokens}) = "
@@ -88,24 +88,19 @@ def validate_request(request: Request, *, max_context: int, vocab_size: int, mod
   _validate_images(arr, request.images, model_cfg, has_vision)
 
 
-def _is_int(v: Any) -> bool:
-  """An integer, numpy's too; not a bool (True would read as 1)."""
-  return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
-
-
 def _validate_sampling(p: Any, vocab_size: int) -> None:
   if (not isinstance(p.temperature, numbers.Real) or isinstance(p.temperature, (bool, np.bool_))
       or not np.isfinite(p.temperature) or p.temperature < 0):
     raise RequestError(f"temperature={p.temperature!r} must be a number >= 0 (0 = greedy).", "temperature")
   if not isinstance(p.top_p, numbers.Real) or isinstance(p.top_p, (bool, np.bool_)) or not 0 < p.top_p <= 1:
     raise RequestError(f"top_p={p.top_p!r} must be a number in (0, 1].", "top_p")
-  if not _is_int(p.top_k) or not 0 <= p.top_k <= TOP_K_MAX:
+  if not is_int(p.top_k, numpy=True) or not 0 <= p.top_k <= TOP_K_MAX:
     raise RequestError(f"top_k={p.top_k!r} must be an int in [0, {TOP_K_MAX}] (0 = off).", "top_k")
-  if p.seed is not None and not _is_int(p.seed):
+  if p.seed is not None and not is_int(p.seed, numpy=True):
     raise RequestError(f"seed={p.seed!r} must be an int (or None).", "seed")
   stops = p.stop_token_ids
   if (not isinstance(stops, (Sequence, np.ndarray)) or isinstance(stops, (str, bytes))
-      or any(not _is_int(t) or not 0 <= t < vocab_size for t in stops)):
+      or any(not is_int(t, numpy=True) or not 0 <= t < vocab_size for t in stops)):
     raise RequestError(f"stop_token_ids must be a list of ids in [0, {vocab_size}); got {stops!r:.80}.",
                        "stop_token_ids")
 

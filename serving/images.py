@@ -18,12 +18,13 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-import numbers
 import re
 import warnings
 
 import numpy as np
 from PIL import Image
+
+from model.config import is_int
 
 MAX_PIXELS = 64_000_000  # default pixel bound: larger images are rejected before decoding
 FORMATS = ("PNG", "JPEG", "GIF", "WEBP")
@@ -133,9 +134,9 @@ def decode_image(source: str | bytes, image_size: int, channels: int = 3, *, max
     ValueError: a URL, bad base64, an undecodable or unsupported file, or an
       image over max_bytes or max_pixels; the message names the problem and the limit.
   """
-  if not _is_int(image_size) or image_size <= 0:
+  if not is_int(image_size, numpy=True) or image_size <= 0:
     raise ValueError(f"image_size={image_size!r}: expected a positive int.")
-  if not _is_int(channels) or channels not in _MODES:
+  if not is_int(channels, numpy=True) or channels not in _MODES:
     raise ValueError(f"channels={channels!r}: expected 3 (RGB) or 1 (grayscale).")
   data = image_bytes(source, max_bytes)
   try:
@@ -167,11 +168,6 @@ def decode_image(source: str | bytes, image_size: int, channels: int = 3, *, max
                      f"{e}); the file may be truncated or corrupt.") from None
   arr = np.asarray(img, dtype=np.float32) / 255.0
   return arr.reshape(image_size, image_size, channels)
-
-
-def _is_int(x) -> bool:
-  """An int or NumPy integer, not a bool (True would be a size of 1) nor a float (3.0)."""
-  return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def _orientation(img: Image.Image) -> Image.Transpose | None:

@@ -43,6 +43,7 @@ from typing import Any, Literal
 
 import pydantic
 
+from model.config import is_int
 from serving import images as images_lib
 from serving.admission import TOP_K_MAX
 from serving.api_common import resolve_tool_choice
@@ -150,10 +151,6 @@ def stop_strings(stop: str | list[str] | None) -> list[str]:
   return stops
 
 
-def _whole(v: Any) -> bool:
-  return isinstance(v, int) and not isinstance(v, bool)
-
-
 # (field, is it a use of something this server lacks or a combination it refuses (value, body), the 400's
 # message)
 _UNSUPPORTED = (
@@ -170,9 +167,9 @@ _UNSUPPORTED = (
     ("function_call", lambda v, b: v is not None,
      "function_call is not supported; use `tools` and `tool_choice`."),
     ("suffix", lambda v, b: bool(v), "suffix (insertion) is not supported by this server."),
-    ("best_of", lambda v, b: v is not None and not (_whole(v) and v <= b.n),
+    ("best_of", lambda v, b: v is not None and not (is_int(v) and v <= b.n),
      "best_of > n is not supported (it needs logprobs to rank candidates); use n."),
-    ("best_of", lambda v, b: _whole(v) and v < b.n,
+    ("best_of", lambda v, b: is_int(v) and v < b.n,
      "best_of must be at least n (each returned choice is the best of best_of candidates); leave it "
      "unset."),
     ("stream_options", lambda v, b: v is not None and not b.stream,

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from model.config import model_config
+from model.config import is_int, model_config
 from model.decoder import Horizon
 from training import shapes
 from training.tokenizer import default_tokenizer_path, load_tokenizer
@@ -64,10 +64,6 @@ def min_seq_len(tokenizer, cfg, question_types: Sequence[str]) -> int:
       + max(len(tokenizer.encode(" " + a)) for a in _ANSWERS[t]) for t in question_types)
 
 
-def _is_int(x: Any) -> bool:
-  return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _require(name: str, value: Any, ok: bool, rule: str) -> None:
   if not ok:
     raise RunArgsError(f"--{name}={value!r}: must be {rule}.")
@@ -92,20 +88,20 @@ def check_args(*, steps: int, batch: int, learning_rate: float, warmup_steps: in
   Raises:
     RunArgsError: a bad argument.
   """
-  _require("steps", steps, _is_int(steps) and steps >= 1, "a positive int (optimizer steps)")
-  _require("batch", batch, _is_int(batch) and batch >= 1, "a positive int (examples per step)")
+  _require("steps", steps, is_int(steps) and steps >= 1, "a positive int (optimizer steps)")
+  _require("batch", batch, is_int(batch) and batch >= 1, "a positive int (examples per step)")
   lr_ok = isinstance(learning_rate, (int, float)) and not isinstance(learning_rate, bool)
   _require("learning_rate", learning_rate, lr_ok and 0 < learning_rate < math.inf,
            "a finite number > 0 (the peak rate)")
-  _require("warmup_steps", warmup_steps, _is_int(warmup_steps) and warmup_steps >= 0, "an int >= 0")
-  _require("seq_len", seq_len, _is_int(seq_len) and seq_len >= 0,
+  _require("warmup_steps", warmup_steps, is_int(warmup_steps) and warmup_steps >= 0, "an int >= 0")
+  _require("seq_len", seq_len, is_int(seq_len) and seq_len >= 0,
            "an int >= 0 (0: the longest example rounded up to 16)")
-  _require("log_every", log_every, _is_int(log_every) and log_every >= 1, "a positive int")
+  _require("log_every", log_every, is_int(log_every) and log_every >= 1, "a positive int")
   try:
     types = shapes.check_question_types(question_types, "--question_types")
   except ValueError as e:
     raise RunArgsError(str(e)) from None
-  _require("eval_examples", eval_examples, _is_int(eval_examples) and eval_examples >= len(types),
+  _require("eval_examples", eval_examples, is_int(eval_examples) and eval_examples >= len(types),
            f"an int >= {len(types)}, the number of question types (held-out examples are split "
            "evenly over them, so each type is evaluated)")
   return types
@@ -126,7 +122,7 @@ def train_config(config, tokenizer, cfg, *, steps: int, batch: int, learning_rat
                        f"{vqa_seq_len(tokenizer, cfg)}.")
   train = dict(config.train.items())
   accum = train.get("grad_accum")
-  if _is_int(accum) and accum >= 1 and batch % accum:
+  if is_int(accum) and accum >= 1 and batch % accum:
     raise RunArgsError(f"--batch={batch}: must be divisible by config.train.grad_accum={accum} "
                        "(micro-batches per step); change --batch or --config.train.grad_accum.")
   train.update(steps=steps, global_batch=batch, seq_len=seq_len or vqa_seq_len(tokenizer, cfg),
@@ -145,7 +141,7 @@ def train_vqa(config, tokenizer, tc: TrainConfig, question_types: Sequence[str],
     RunArgsError: log_every < 1 or bad question_types (before the model is built).
     FloatingPointError: the answer cross-entropy became non-finite.
   """
-  _require("log_every", log_every, _is_int(log_every) and log_every >= 1, "a positive int")
+  _require("log_every", log_every, is_int(log_every) and log_every >= 1, "a positive int")
   try:
     question_types = shapes.check_question_types(question_types, "--question_types")
   except ValueError as e:
@@ -187,7 +183,7 @@ def run(config, *, steps: int, batch: int, learning_rate: float, warmup_steps: i
                      seq_len=seq_len, eval_examples=eval_examples, question_types=question_types,
                      log_every=log_every)
   seed = config.get("seed")
-  if not _is_int(seed) or not 0 <= seed < 1 << 31:
+  if not is_int(seed) or not 0 <= seed < 1 << 31:
     raise RunArgsError(f"config.seed={seed!r}: must be an int in [0, 2^31) (it picks the training and "
                        "held-out example streams).")
   cfg = model_config(config)

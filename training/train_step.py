@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from typing import Any, Mapping
 
 import jax
@@ -54,7 +53,7 @@ import optax
 from flax import nnx
 
 from model.attention.dsa import GatedDSA
-from model.config import ConfigError
+from model.config import ConfigError, is_int
 from model.moe import find_moe_modules, update_router_biases
 from training import leaf_groups
 from training.knobs import check_nonnegative_numbers
@@ -126,7 +125,7 @@ def _plain_ints(d: dict[str, Any], fields: tuple[str, ...]) -> None:
   """numpy integers (a sweep script's) as Python ints, in place; a bool stays a bool and is refused
   (True counted as 1 step, 1 micro-batch)."""
   for f in fields:
-    if isinstance(d[f], numbers.Integral) and not isinstance(d[f], (bool, np.bool_)):
+    if is_int(d[f], numpy=True):
       d[f] = int(d[f])
 
 

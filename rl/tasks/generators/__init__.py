@@ -24,8 +24,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from model.config import ConfigError
-from rl.tasks.generators import common
+from model.config import ConfigError, is_int
 from rl.tasks.schema import DOMAINS, Task
 
 SPLITS = ("train", "heldout")
@@ -46,11 +45,11 @@ def generate(domain: str, *, split: str, difficulty: int, n: int, seed: int = 0)
   if split not in SPLITS:
     raise ValueError(f"split must be one of {', '.join(SPLITS)}; got {split!r}")
   top = max_difficulty(domain)
-  if not common.is_whole(difficulty) or not 0 <= difficulty <= top:
+  if not is_int(difficulty, numpy=True) or not 0 <= difficulty <= top:
     raise ValueError(f"difficulty for {domain} must be an integer in 0..{top}; got {difficulty!r}")
-  if not common.is_whole(n) or n < 1:
+  if not is_int(n, numpy=True) or n < 1:
     raise ValueError(f"n must be an integer >= 1; got {n!r}")
-  if not common.is_whole(seed):
+  if not is_int(seed, numpy=True):
     raise ValueError(f"seed must be an integer; got {seed!r}")
   difficulty, n, seed = int(difficulty), int(n), int(seed)
   draw = module(domain).generate

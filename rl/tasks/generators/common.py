@@ -9,9 +9,10 @@ their key (`split_of`), and a generator draws only entities of its own split.
 from __future__ import annotations
 
 import hashlib
-import numbers
 import random
 from typing import Any
+
+from model.config import is_int
 
 HELDOUT_FRACTION = 0.25
 
@@ -31,15 +32,10 @@ def check_args(domain: str, split: str, difficulty: int, max_difficulty: int) ->
   """
   if split not in SPLITS:
     raise ValueError(f"split must be one of {', '.join(SPLITS)}; got {split!r}")
-  if not is_whole(difficulty) or not 0 <= difficulty <= max_difficulty:
+  if not is_int(difficulty, numpy=True) or not 0 <= difficulty <= max_difficulty:
     raise ValueError(f"difficulty for {domain} must be an integer in 0..{max_difficulty}; got {difficulty!r}")
   if not isinstance(difficulty, int):  # numpy's: it would reach task fields and their JSON
     raise ValueError(f"difficulty for {domain}: pass a Python int, int(difficulty); got {difficulty!r}")
-
-
-def is_whole(value: Any) -> bool:
-  """An integer (numpy's too), not a bool."""
-  return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def task_rng(domain: str, split: str, difficulty: int, seed: int, index: int) -> random.Random:
