@@ -117,6 +117,10 @@ def _validate_images(prompt: np.ndarray, images: np.ndarray | None, model_cfg: A
     if np.ndim(images) != 4 or tuple(np.shape(images)[1:]) != want:
       raise RequestError(f"images: expected [n, {want[0]}, {want[1]}, {want[2]}] float32 in [0, 1], "
                          f"got shape {list(np.shape(images))}; resize them first.", "images")
+    arr = np.asarray(images)
+    if arr.dtype.kind not in "fiu" or not np.all((arr >= 0) & (arr <= 1)):  # NaN fails both
+      raise RequestError("images: pixel values must be numbers in [0, 1] (no NaN or inf); scale 8-bit "
+                         "images by 1/255.", "images")
   per = model_cfg.vision.num_patches
   if n_ph != m * per:
     raise RequestError(f"the prompt has {n_ph} image placeholder tokens but {m} image(s) x {per} "

@@ -172,6 +172,17 @@ def test_images():
   assert _param(ids=[7, 7, 1]) == "prompt"  # placeholders without images
 
 
+def test_image_pixel_values():
+  """NaN or out-of-range pixels were accepted and gave that request garbage (or NaN) logits."""
+  _check(ids=[7, 7, 1], images=np.full((1, 4, 4, 3), 1.0, np.float32), has_vision=True)  # both edges
+  _check(ids=[7, 7, 1], images=np.zeros((1, 4, 4, 3), np.uint8), has_vision=True)
+  for bad in (np.nan, np.inf, -0.01, 1.01, 255.0):
+    image = np.full((1, 4, 4, 3), 0.5, np.float32)
+    image[0, 3, 2, 1] = bad
+    assert _param(ids=[7, 7, 1], images=image, has_vision=True) == "images", bad
+  assert _param(ids=[7, 7, 1], images=np.full((1, 4, 4, 3), "x"), has_vision=True) == "images"
+
+
 def test_engine_args():
   def check(**kw):
     validate_engine_args(CFG, **{"slots": 1, "max_context": 32, "prefill_chunk": 32, "max_queue": 1, **kw})
