@@ -326,13 +326,14 @@ class Prefixer:
     if not chain:
       return cache, 0
     pc.touch(chain)
-    row = np.int32(i)
     for b in chain:
       b.refs += 1
+    s.chain = chain  # before the device calls: a failed one ends the row, and its end gives the refs back
+    row = np.int32(i)
+    for b in chain:
       cache = self.fns["put_tokens"](cache, row, np.int32(b.index * pc.block), b.tokens)
     end = len(chain) * pc.block
     cache = self.fns["put_state"](cache, row, chain[-1].state, np.int32(end))
-    s.chain = chain
     s.fed = s.cache_len = s.cached = end
     s.images_fed = int(np.sum(s.prompt[:end] == self.image_token_id))
     if s.routing is not None:

@@ -147,6 +147,30 @@ def test_finishing_a_row_releases_its_blocks():
   assert [b.refs for b in t.chain] == [0, 0, 0]
 
 
+def test_a_device_call_failing_mid_load_leaves_no_block_held():
+  """The engine ends a row whose load failed (its step's error path); the blocks it had taken were
+  held for ever when the chain was recorded only after the device calls."""
+  px = _prefixer()
+  s = _warm(px)
+  t = _slot(PROMPT + [60, 61, 70])
+  calls = []
+
+  def put_tokens(cache, row, start, tokens):
+    calls.append(int(start))
+    if len(calls) == 2:
+      raise RuntimeError("device call failed")
+    return cache
+
+  px.fns = {**px.fns, "put_tokens": put_tokens}
+  with pytest.raises(RuntimeError, match="device call failed"):
+    px.load(_state([]), 1, t)
+  assert calls == [0, 4]
+  fake = types.SimpleNamespace(_rows=[s, t], _finish_handle=lambda *a: None)
+  Engine._finish(fake, 1, "error")
+  Engine._finish(fake, 0, "stop")
+  assert [b.refs for b in px.store.blocks.values()] == [0, 0, 0]
+
+
 def test_an_existing_block_gets_the_snapshot_it_lacked():
   px = _prefixer()
   s = _slot(PROMPT)
