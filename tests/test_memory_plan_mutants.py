@@ -2,12 +2,15 @@
 hand-built state on a sharded mesh, one layer's buffers and the remat policies' combination rule,
 each against numbers worked out by hand in the test."""
 
+import math
+import re
+
 import jax.numpy as jnp
 import pytest
 from flax import nnx
 
 from configs import horizon
-from model.config import ModelConfig
+from model.config import ConfigError, ModelConfig
 from model.moe import RouterBias
 from training import activation_memory as am
 from training import memory_plan as mp
@@ -76,6 +79,9 @@ def test_plan_totals_and_fit_by_hand():
   below = mp.plan(cfg, MESH, global_batch=16, seq_len=8, micro_batches=2, state=state,
                   hbm_gib=(b["total"] - 1) / 0.9 / 2 ** 30)
   assert below["fits"] is False and below["fits_mxfp4"] is True  # MXFP4 saves 35.25 B
+  for bad in (0, -1.0, math.nan, math.inf, True, "95"):  # a plan 'DOES NOT FIT' 0 GiB was printed
+    with pytest.raises(ConfigError, match=re.escape(f"hbm_gib={bad!r}: the device memory must be")):
+      mp.plan(cfg, MESH, global_batch=16, seq_len=8, micro_batches=2, state=state, hbm_gib=bad)
   full = mp.plan(cfg, MESH, global_batch=16, seq_len=8, micro_batches=2, state=state, remat="full")
   assert full["remat"] == "full" and full["bytes"]["activations"] < act  # tiny's own remat is 'none'
   # tiny's expert_exchange 'auto' is 'ragged' on TPU; asking for 'capacity' changes the exchange rows.

@@ -30,6 +30,7 @@ step is comparable under 'none' only.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Mapping
 
 import jax
@@ -145,6 +146,10 @@ def plan(cfg: ModelConfig, mesh_shape: Mapping[str, int], *, global_batch: int, 
          rules: rules_lib.Rules | None = None, state: Any = None) -> dict[str, Any]:
   """Everything the table prints, in bytes per device (see the module docstring)."""
   check_batch_and_seq_len(cfg, global_batch, seq_len)
+  if hbm_gib is not None and (isinstance(hbm_gib, bool) or not isinstance(hbm_gib, numbers.Real)
+                              or not 0 < hbm_gib < math.inf):
+    raise ConfigError(f"hbm_gib={hbm_gib!r}: the device memory must be a positive number of GiB "
+                      "(95: TPU v5p, 141: H200).")
   remat = remat or cfg.remat
   exchange_used = am.resolve_exchange(exchange or cfg.expert_exchange, backend)
   seqs = local_batch(global_batch, micro_batches, mesh_shape, rules)
