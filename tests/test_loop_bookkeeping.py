@@ -81,6 +81,31 @@ def test_run_saves_each_step_under_the_number_of_steps_done_and_logs_the_last(tm
   assert summary["start_step"] == start and summary["losses"] == [10.0 - s for s in range(start, 7)]
 
 
+def test_a_failing_step_closes_the_checkpointer_and_the_logger(tmp_path, monkeypatch, capsys):
+  """The logger was left open (TensorBoard's buffered events lost, no summary line) when a step raised."""
+  config = pretrain.get_config("tiny")
+  config.metrics.update(log_every=1, tensorboard=False, peak_flops=1e12)
+
+  class Failing(_FakeRun):
+    def step(self, step, flops_train, peak):
+      if step == 3:
+        raise FloatingPointError("loss is NaN at step 3")
+      return super().step(step, flops_train, peak)
+
+  closed = []
+  monkeypatch.setattr(loop, "_Run", Failing)
+  monkeypatch.setattr(loop.flops, "flops_per_token", lambda cfg, seq_len: {"train_model": 1.0})
+  monkeypatch.setattr(loop, "mesh_lib", types.SimpleNamespace(activate=lambda mesh: contextlib.nullcontext()))
+  real = loop.metrics_lib.MetricsLogger
+  monkeypatch.setattr(loop.metrics_lib, "MetricsLogger",
+                      type("L", (real,), {"close": lambda self: closed.append(1) or real.close(self)}))
+  with pytest.raises(FloatingPointError, match="step 3"):
+    loop.run(config, str(tmp_path))
+  assert closed == [1] and Failing.last.saved == [(1, False, 0), (2, False, 1), (3, False, 2)]
+  summary = json.loads(capsys.readouterr().out.split("summary: ")[-1])
+  assert summary["logged_steps"] == 3 and summary["last_step"] == 2 and summary["final_loss"] == 8.0, summary
+
+
 def _bare_run(monkeypatch, meta, per_process=False):
   """A loop._Run whose build() restores `meta` (model, optimizer and checkpointer faked)."""
   r = object.__new__(loop._Run)

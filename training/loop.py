@@ -273,6 +273,7 @@ def run(config, workdir: str, make_batches: BatchFactory | None = None) -> dict[
       # before the save started a step earlier was committed: the run resumed up to `every` steps
       # further back. Commit it first.
       r.ckpt.close()
+      logger.close()  # the files (TensorBoard's buffered events) and the summary of the steps done
       raise
     r.save(tc.steps, force=True)
     r.ckpt.wait()
