@@ -145,6 +145,13 @@ class HTTPPolicy(Policy):
       self._client, self._loop = httpx.AsyncClient(timeout=self.timeout_s), loop
     return self._client
 
+  async def aclose(self) -> None:
+    """Closes the connection pool of the running loop's client (left to the garbage collector, a
+    closed loop's sockets stayed open)."""
+    if self._client is not None and getattr(self, "_loop", None) is asyncio.get_running_loop():
+      client, self._client = self._client, None
+      await client.aclose()
+
   async def post(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
     delay = 1.0
     for attempt in range(self.retries + 1):

@@ -188,7 +188,8 @@ async def run_episodes(
 ) -> list[Episode]:
   """Plays many episodes, at most `concurrency` at once; results in job order.
 
-  on_done(index, episode) is called as each finishes (progress bars, result files).
+  on_done(index, episode) is called as each finishes (progress bars, result files); at the end,
+  `policy.aclose()` frees what the policy holds on this event loop (an HTTP client's connections).
   """
   sem = asyncio.Semaphore(max(1, concurrency))
   out: list[Episode | None] = [None] * len(jobs)
@@ -200,5 +201,8 @@ async def run_episodes(
     if on_done is not None:
       on_done(i, out[i])
 
-  await asyncio.gather(*(one(i) for i in range(len(jobs))))
+  try:
+    await asyncio.gather(*(one(i) for i in range(len(jobs))))
+  finally:
+    await policy.aclose()
   return out

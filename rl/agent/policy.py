@@ -88,6 +88,10 @@ class Policy(abc.ABC):
   ) -> Session:
     """A session for one episode of `task` starting from the messages `first`."""
 
+  async def aclose(self) -> None:  # noqa: B027 (an optional hook: a no-op by default)
+    """Frees what the policy holds on the running event loop (run_episodes calls it at its end);
+    the policy stays usable and opens them again on its next session."""
+
 
 class _RecordingProcessor:
   """Wraps the server's OutputProcessor to record which fed tokens the engine was forced to

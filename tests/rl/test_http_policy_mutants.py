@@ -310,3 +310,24 @@ def test_an_unknown_tier_is_refused_when_the_session_opens(endpoint):
     http.OpenAIPolicy("http://h", "m").session(None, [USER], [ECHO], tier, Sampling())
   http.AnthropicPolicy("http://h", "m", thinking_budgets={"low": 8}).session(None, [USER], [ECHO], None,
                                                                              Sampling())
+
+
+def test_aclose_closes_the_loops_client_and_run_episodes_calls_it(endpoint):
+  """The client of a finished asyncio.run was left to the garbage collector with its connections."""
+  from rl.agent.loop import run_episodes
+
+  endpoint(_openai_reply({"content": "a"}), _openai_reply({"content": "b"}))
+  policy = http.OpenAIPolicy("http://x", "m", retries=0)
+
+  async def turn_then_close():
+    session = policy.session(None, [USER], [ECHO], None, Sampling())
+    text = (await session.complete([USER], 0)).message.content[0].text
+    client = policy._client
+    await run_episodes([], policy, executor=None)
+    return text, client
+
+  text, client = asyncio.run(turn_then_close())
+  assert text == "a" and client.is_closed and policy._client is None
+  assert _complete(policy).message.content[0].text == "b"  # usable again: a new client
+  asyncio.run(policy.aclose())  # another loop's client is not this loop's to close
+  assert policy._client is not None and not policy._client.is_closed
