@@ -52,7 +52,7 @@ from serving.api_common import generation_failure
 from serving.context import Context, ServerContext
 from serving.errors import APIError
 from serving.run import EventStreamResponse, sse
-from serving.types import Delta, TextDelta, ThinkingDelta, ToolCallDelta, Usage
+from serving.types import Delta, TextDelta, ThinkingDelta, ToolCallDelta, Usage, loads_json
 
 router = fastapi.APIRouter()
 
@@ -191,10 +191,13 @@ def _cut_points(text: str) -> list[tuple[int, str]]:
 
 
 def partial_object(text: str) -> dict[str, Any]:
-  """The whole members of a JSON object cut short (`{"a": 1, "b": "x` -> {"a": 1}); {} if none."""
+  """The whole members of a JSON object cut short (`{"a": 1, "b": "x` -> {"a": 1}); {} if none.
+
+  Read as tool-call arguments are (serving.types.loads_json): a number past a double (the
+  grammar of a `number` admits 1e400) is no whole member, since the response could not encode it."""
   for n, closers in reversed(_cut_points(text)):
     try:
-      value = json.loads(text[:n] + closers)
+      value = loads_json(text[:n] + closers)
     except ValueError:
       continue
     return value if isinstance(value, dict) else {}

@@ -62,10 +62,40 @@ class SchemaError(ValueError):
     self.field = field
 
 
-def close_objects(schema: Any) -> Any:
+_OPENERS = frozenset({"additionalProperties", "patternProperties", "unevaluatedProperties"})
+
+
+def _is_object(schema: dict) -> bool:
+  types = schema.get("type")
+  return "object" in (types if isinstance(types, list) else [types]) or "properties" in schema
+
+
+def _names(schema: Any) -> list[str] | None:
+  """The property names an `allOf` branch declares (properties, required, its own allOf's): the
+  names the closed parent admits for it. None when the branch leaves other names open."""
+  if not isinstance(schema, dict):  # `true` / `false`: no names of its own
+    return []
+  if _OPENERS & schema.keys():
+    return None
+  props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+  required = schema.get("required") if isinstance(schema.get("required"), list) else []
+  names = [*props, *(r for r in required if isinstance(r, str))]
+  for branch in schema.get("allOf") if isinstance(schema.get("allOf"), list) else []:
+    inner = _names(branch)
+    if inner is None:
+      return None
+    names += inner
+  return names
+
+
+def close_objects(schema: Any, *, closed: bool = True) -> Any:
   """A copy of `schema` where every object schema without additionalProperties /
   patternProperties / unevaluatedProperties gets `additionalProperties: false` (its required
-  names without a property schema become properties of any value)."""
+  names without a property schema become properties of any value).
+
+  The branches of an `allOf` describe one object together, so they are not closed one by one
+  (each would refuse the others' properties): the schema holding the `allOf` is closed instead,
+  admitting the names its branches declare (`closed=False`: this level is such a branch)."""
   if isinstance(schema, list):
     return [close_objects(s) for s in schema]
   if not isinstance(schema, dict):
@@ -77,14 +107,19 @@ def close_objects(schema: Any) -> Any:
   for key in _MAP:
     if isinstance(out.get(key), dict):
       out[key] = {k: close_objects(v) for k, v in out[key].items()}
-  types = out.get("type")
-  is_object = "object" in (types if isinstance(types, list) else [types]) or "properties" in out
-  if is_object and not {"additionalProperties", "patternProperties", "unevaluatedProperties"} & out.keys():
+  branches = schema.get("allOf") if isinstance(schema.get("allOf"), list) else []
+  if branches:
+    out["allOf"] = [close_objects(s, closed=False) for s in branches]
+  merged = [_names(s) for s in branches]
+  if None in merged or not closed or _OPENERS & out.keys():
+    return out
+  merged = [n for names in merged for n in names]
+  if _is_object(out) or merged:
     out["additionalProperties"] = False
     # A required name without a property schema stays allowed, with any value.
     required = out.get("required") if isinstance(out.get("required"), list) else []
     props = out.get("properties") if isinstance(out.get("properties"), dict) else {}
-    missing = {r: {} for r in required if isinstance(r, str) and r not in props}
+    missing = {r: {} for r in [*required, *merged] if isinstance(r, str) and r not in props}
     if missing:
       out["properties"] = {**props, **missing}
   return out
