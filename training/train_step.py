@@ -315,7 +315,7 @@ def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: Mapping[str, 
   metrics["param_finite"] = leaf_groups.all_finite_per_leaf(nnx.state(model, optimizer.wrt),
                                                             tc.group_max_elements)
   metrics["finite"] = jnp.isfinite(metrics["loss"]) & jnp.all(metrics["grad_finite"])
-  metrics["learning_rate"] = learning_rate_schedule(tc)(_applied_updates(optimizer))
+  metrics["learning_rate"] = learning_rate_schedule(tc)(applied_updates(optimizer))
   # apply_if_finite: a no-op on non-finite gradients, and on a non-finite loss (unless_finite).
   apply_update(model, optimizer, unless_finite(metrics["finite"], grads))
   if "load" in metrics:
@@ -336,7 +336,7 @@ def unless_finite(finite: jax.Array, grads: Any) -> Any:
   return jax.tree.unflatten(treedef, leaves)
 
 
-def _applied_updates(optimizer: nnx.Optimizer) -> jax.Array:
+def applied_updates(optimizer: nnx.Optimizer) -> jax.Array:
   """How many updates the schedule has seen (apply_if_finite does not count skipped ones)."""
   skipped = optimizer.opt_state.total_notfinite
   skipped = skipped[...] if isinstance(skipped, nnx.Variable) else skipped

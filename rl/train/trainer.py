@@ -193,7 +193,7 @@ class RLRun:
       sources += srcs
       if len(kept) >= int(self.rl.prompts_per_step) * int(self.rl.samples_per_prompt):
         break
-    self.last_played = eps
+    self.last_played = played  # the last round, dropped groups too: a step without an update writes these
     stats["env_busy_s"] = self.executor.busy_s - busy0
     # Success over every played episode: with dynamic sampling the trained batch holds only the
     # groups with mixed outcomes, so its own `success` says nothing about how well the policy does.
@@ -377,7 +377,7 @@ class RLRun:
         logging.warning("the checkpoint records no origin; the KL reference is read from %r at its "
                         "latest step", init_from)
       return {"init_from": init_from, "step": None}
-    if saved["init_from"] != init_from:
+    if init_from and saved["init_from"] != init_from:  # none given: the run keeps its own origin
       message = (f"this run started from config.checkpoint.init_from={saved['init_from']!r} (step "
                  f"{saved['step']}), and it is now {init_from!r}; a resumed run keeps its origin")
       if self.obj.kl != "none":

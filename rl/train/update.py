@@ -18,7 +18,13 @@ from flax import nnx
 from model.moe import find_moe_modules, update_router_biases
 from rl.train import objectives as obj_lib
 from training import leaf_groups
-from training.train_step import TrainConfig, apply_update, learning_rate_schedule, unless_finite
+from training.train_step import (
+  TrainConfig,
+  applied_updates,
+  apply_update,
+  learning_rate_schedule,
+  unless_finite,
+)
 
 
 def token_logp(model: nnx.Module, batch: Mapping[str, jax.Array], replay: bool = False
@@ -85,8 +91,10 @@ def apply_grads(model: nnx.Module, optimizer: nnx.Optimizer, grads, load, tc: Tr
   finite: a non-finite loss with finite gradients was applied while the step said it was not)."""
   leaf_finite, grad_norm = leaf_groups.finite_and_norm(grads, tc.group_max_elements)
   finite = jnp.all(leaf_finite) & jnp.asarray(loss_finite)
+  # The rate this update applies: the schedule counts applied updates only (apply_if_finite skips
+  # the count of a skipped one), so optimizer.step, which counts every call, ran ahead of it.
   metrics = {"grad_norm": grad_norm, "finite": finite,
-             "learning_rate": learning_rate_schedule(tc)(optimizer.step[...])}
+             "learning_rate": learning_rate_schedule(tc)(applied_updates(optimizer))}
   apply_update(model, optimizer, unless_finite(finite, grads))
   if load is not None:
     moe = list(find_moe_modules(model).values())
