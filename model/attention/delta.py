@@ -143,8 +143,9 @@ class DeltaAttention(nnx.Module):
   # ---- pieces shared by __call__ and extend ---------------------------------------------
   def _check(self, x: jax.Array, name: str, other: jax.Array | None = None, other_name: str = ""):
     d = self.cfg.d_model
-    if x.ndim != 3 or x.shape[-1] != d:
-      raise ValueError(f"DeltaAttention: {name} has shape {x.shape}; expected [b, t, d_model={d}].")
+    if x.ndim != 3 or x.shape[-1] != d or 0 in x.shape[:2]:
+      raise ValueError(f"DeltaAttention: {name} has shape {x.shape}; expected [b >= 1, t >= 1, "
+                       f"d_model={d}].")
     if other is not None and other.shape != x.shape[:2]:
       raise ValueError(f"DeltaAttention: {other_name} has shape {other.shape}; expected [b, t] = "
                        f"{x.shape[:2]} to match {name}.")
@@ -252,6 +253,9 @@ class DeltaAttention(nnx.Module):
     cfg = self.cfg
     self._check(x, "x", valid, "valid")
     self._check_cache(cache, x.shape[0])
+    if not isinstance(valid, jax.core.Tracer) and bool(jnp.any(valid[:, 1:] & ~valid[:, :-1])):
+      raise ValueError("DeltaAttention.extend: valid must be a prefix mask per row (real tokens "
+                       "first, then padding).")
     width = cfg.delta_conv_size
     pre, z, beta, g = self._project(x)
     history_and_x = jnp.concatenate([cache.conv.astype(pre.dtype), pre], axis=1)

@@ -263,6 +263,9 @@ class GatedDSA(nnx.Module):
       raise ValueError(f"GatedDSA.extend: {t} new tokens exceed the cache's max_len={cache.max_len}; "
                        "use a larger init_cache(max_len=...).")
     if not isinstance(cache.lengths, jax.core.Tracer) and not isinstance(valid, jax.core.Tracer):
+      if bool(jnp.any(valid[:, 1:] & ~valid[:, :-1])):
+        raise ValueError("GatedDSA.extend: valid must be a prefix mask per row (real tokens first, "
+                         "then padding).")
       need = int(jnp.max(cache.lengths + jnp.sum(valid, axis=1)))
       if need > cache.max_len:
         raise ValueError(f"GatedDSA.extend: a row would hold {need} tokens > max_len={cache.max_len}; "
