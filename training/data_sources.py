@@ -65,6 +65,7 @@ def parse_sources(spec: str) -> list[Source]:
       raise DataError(f"sources spec {spec!r} has an empty part (a stray ';').")
     body, weight = _split_weight(part)
     kind, _, pattern = body.partition(":")
+    pattern = pattern.strip()  # "text: /a/*.md" looked for a path starting with a space
     kind = kind.strip()
     if kind not in KINDS:
       raise DataError(f"source {part!r}: unknown kind {kind!r}; use one of {KINDS}, e.g. "

@@ -11,6 +11,7 @@ best model that ignores context.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -20,7 +21,7 @@ import numpy as np
 from array_record.python import array_record_module
 from etils import epath
 
-from model.config import ConfigError, model_config
+from model.config import ConfigError, is_int, model_config
 from training import data as data_lib
 from training import loop
 from training.batches import tokenizer_for
@@ -98,6 +99,10 @@ def run(config, workdir: str, *, prompt: str, new_tokens: int, temperature: floa
                       "training config, e.g. --config=configs/pretrain.py:tiny.")
   if not prompt:
     raise ConfigError("--prompt is empty: the sampler continues a prompt of at least one token.")
+  if not is_int(new_tokens) or new_tokens < 0:  # a negative count failed in the sampler, after training
+    raise ConfigError(f"--new_tokens={new_tokens!r}: must be an int >= 0 (tokens to sample).")
+  if not math.isfinite(temperature):  # NaN sampled garbage, after training
+    raise ConfigError(f"--temperature={temperature!r}: must be a finite number (<= 0: greedy).")
   if config.data.pipeline != "grain":
     raise ConfigError(f"config.data.pipeline={config.data.pipeline!r}: the quickstart compares the "
                       "loss with the prepared corpus's unigram entropy and samples text, so it needs "
