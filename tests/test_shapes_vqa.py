@@ -60,6 +60,8 @@ def no_training(monkeypatch):
     (dict(question_types=[]), "--question_types is empty: give one or more of colour, shape"),
     (dict(question_types=["colour", "size"]),
      "--question_types=colour,size: unknown question type(s) ['size']"),
+    (dict(learning_rate=True), "--learning_rate=True: must be a finite number > 0"),
+    (dict(seed=2 ** 31), "config.seed=2147483648: must be an int in [0, 2^31)"),
     (dict(batch=3, **{"train.grad_accum": 2}), "--batch=3: must be divisible by config.train.grad_accum=2"),
     ({"train.weight_decay": -1.0}, "config.train.weight_decay=-1.0: must be >= 0"),
     ({"seed": -1}, "config.seed=-1: must be an int in [0, 2^31)"),
@@ -156,3 +158,15 @@ def test_tiny_answers_colour_questions_above_chance():
   assert result["colour_chance"] == pytest.approx(1 / 6)
   assert result["colour_accuracy"] >= 0.35, result
   assert result["count_accuracy"] >= 0.6, result  # count is learned first (measured 0.94-1.0)
+
+
+@pytest.mark.parametrize("overrides", [dict(warmup_steps=0), dict(eval_examples=2), dict(seq_len=200)])
+def test_boundary_arguments_are_accepted_and_kept(no_training, overrides):
+  """warmup 0, one held-out example per type and an explicit seq_len are valid (mutants refused the
+  first two and replaced the third with the default)."""
+  with pytest.raises(AssertionError, match="training started"):
+    shapes_vqa.run(horizon.get_config("tiny"), **(GOOD | overrides))
+  (tc,) = no_training
+  assert tc.warmup_steps == overrides.get("warmup_steps", 1)
+  if "seq_len" in overrides:
+    assert tc.seq_len == 200

@@ -8,11 +8,10 @@ import numpy as np
 import pytest
 
 from configs import horizon
+from tests.test_shapes_vqa import GOOD
 from training import shapes, shapes_vqa
 from training.tokenizer import default_tokenizer_path, load_tokenizer
 
-GOOD = dict(steps=3, batch=4, learning_rate=1e-3, warmup_steps=1, seq_len=0, eval_examples=8,
-            question_types=["colour", "count"], log_every=1)
 COLOURS = ("red", "green", "blue", "yellow", "purple", "cyan")
 KINDS = ("circle", "square", "triangle")
 ROWS = {  # every (question, answer) make_example can produce, written out from its docstring
@@ -43,44 +42,6 @@ def test_seq_len_bounds_hold_the_longest_row_of_the_types(tok, tiny_cfg):
     assert shapes_vqa.min_seq_len(tok, tiny_cfg, types) == max(longest[t] for t in types), types
   top = max(longest.values())
   assert shapes_vqa.vqa_seq_len(tok, tiny_cfg) == 16 * ((top + 15) // 16) >= top
-
-
-@pytest.fixture
-def no_training(monkeypatch):
-  got = []
-
-  def train_vqa(config, tokenizer, tc, *args, **kwargs):
-    got.append(tc)
-    raise AssertionError("training started")
-  monkeypatch.setattr(shapes_vqa, "train_vqa", train_vqa)
-  return got
-
-
-@pytest.mark.parametrize("overrides", [dict(warmup_steps=0), dict(eval_examples=2), dict(seq_len=200)])
-def test_boundary_arguments_are_accepted_and_kept(no_training, overrides):
-  """warmup 0, one held-out example per type and an explicit seq_len are valid (mutants refused the
-  first two and replaced the third with the default)."""
-  with pytest.raises(AssertionError, match="training started"):
-    shapes_vqa.run(horizon.get_config("tiny"), **(GOOD | overrides))
-  (tc,) = no_training
-  assert tc.warmup_steps == overrides.get("warmup_steps", 1)
-  if "seq_len" in overrides:
-    assert tc.seq_len == 200
-
-
-@pytest.mark.parametrize("key, value, words", [
-    ("learning_rate", True, "--learning_rate=True: must be a finite number > 0"),
-    ("seed", 2 ** 31, "config.seed=2147483648: must be an int in [0, 2^31)")])
-def test_a_bool_rate_and_a_seed_past_the_range_are_refused(no_training, key, value, words):
-  config = horizon.get_config("tiny")
-  args = dict(GOOD)
-  if key == "seed":
-    config.seed = value
-  else:
-    args[key] = value
-  with pytest.raises(shapes_vqa.RunArgsError) as e:
-    shapes_vqa.run(config, **args)
-  assert words in str(e.value) and not no_training
 
 
 def test_training_reads_the_train_stream_and_evaluation_the_chosen_types(monkeypatch):
