@@ -46,6 +46,7 @@ def parse_mixture(text: str) -> dict[str, float]:
     if not part:
       continue
     name, sep, weight = part.rpartition("=")
+    name = name.strip()  # "math = 1" as "math=1"
     if not sep or not name:
       raise ConfigError(f"config.rl.mixture: {part!r} is not source=weight (e.g. 'math=1,terminal=1').")
     try:

@@ -37,6 +37,7 @@ def test_a_file_path_may_hold_an_equals_sign():
   """The weight is after the last '=': a path with '=' in it is a source, not a bad weight."""
   assert parse_mixture("file:/data/lr=1e-4/t.jsonl=2,math=1") == {"file:/data/lr=1e-4/t.jsonl": 2.0,
                                                                   "math": 1.0}
+  assert parse_mixture("math = 1, code =2") == {"math": 1.0, "code": 2.0}  # was "unknown source 'math '"
 
 
 def test_levels_hold_the_generated_sources_only(tmp_path):
