@@ -180,7 +180,7 @@ def _model_card(ctx: ServerContext) -> dict[str, Any]:
 
 
 def _add_operational_routes(app: fastapi.FastAPI) -> None:
-  @app.get("/health")
+  @app.api_route("/health", methods=["GET", "HEAD"])  # probes that send HEAD got 405
   async def health(request: fastapi.Request) -> JSONResponse:
     """200 once the engine runs and its programs are compiled; 503 with the reason before."""
     status, body = request.app.state.warmup.health()
