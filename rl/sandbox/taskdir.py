@@ -92,7 +92,7 @@ def unmount(path: Path) -> None:
 def _alive(pid: int) -> bool:
   try:
     os.kill(pid, 0)
-  except ProcessLookupError:
+  except (ProcessLookupError, OverflowError):  # OverflowError: past any pid (a name's digits)
     return False
   except PermissionError:  # another user's process
     return True
@@ -105,13 +105,14 @@ def _stale(path: Path) -> bool:
 
 
 def _mount_points() -> list[Path]:
-  """Mount points of this mount namespace, from /proc/self/mountinfo (octal escapes decoded)."""
+  """Mount points of this mount namespace, from /proc/self/mountinfo (octal escapes decoded; the
+  bytes of a name as os.listdir gives them, so a name that is not UTF-8 neither fails nor differs)."""
   try:
-    lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    lines = Path("/proc/self/mountinfo").read_bytes().splitlines()
   except OSError:
     return []
-  decode = lambda s: re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), s)  # noqa: E731
-  return [Path(decode(line.split()[4])) for line in lines if len(line.split()) > 4]
+  unescape = lambda s: re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m.group(1), 8)]), s)  # noqa: E731
+  return [Path(os.fsdecode(unescape(line.split()[4]))) for line in lines if len(line.split()) > 4]
 
 
 def sweep_stale(root: Path, temp_dir: Path | None = None) -> list[Path]:

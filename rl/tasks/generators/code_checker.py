@@ -58,7 +58,7 @@ for _line in sys.stdin:
         if _module not in _modules:
             _modules[_module] = importlib.import_module(_module)
         _text = repr(getattr(_modules[_module], _name)(*_args))
-        _answer = "ok " + _text if "\n" not in _text else "raise NotPlainData"
+        _answer = "ok " + _text if not {"\n", "\r"} & set(_text) else "raise NotPlainData"
     except BaseException as _e:  # the agent's code may raise anything, SystemExit included
         _answer = "raise " + type(_e).__name__
     _answers.write(_answer + "\n")
