@@ -21,6 +21,12 @@ def test_parts_cover_the_layers_and_differentiate_their_parameters():
   assert layers["dsa attention"] + layers["delta attention"] == len(cfg.layer_kinds)
   assert layers.get("dense FFN", 0) + layers.get("moe FFN", 0) == len(cfg.ffn_kinds)
   assert layers["LM head + loss"] == 1
+  # The parameters differentiated are the part's, its norm included (the step differentiates both).
+  owners = {name: sorted({jax.tree_util.keystr(path[:1]) for path, _ in
+                          jax.tree_util.tree_flatten_with_path(args[0])[0]}) for name, _, _, _, args in found}
+  attn, ffn = ["['attn']", "['attn_norm']"], ["['ffn']", "['ffn_norm']"]
+  assert owners == {"dsa attention": attn, "delta attention": attn, "dense FFN": ffn, "moe FFN": ffn,
+                    "LM head + loss": ["['final_norm']", "['head']"]}
   for name, _, _, fn, args in found:
     g_params, g_x = fn(*args)
     assert g_x.shape == args[1].shape and np.isfinite(np.asarray(g_x, np.float32)).all(), name

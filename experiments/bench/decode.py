@@ -88,8 +88,10 @@ def step_bytes(engine: Engine, batch: int, context: int) -> dict[str, float]:
     if kind == "dsa":
       state += context * cfg.index_head_dim * dt
       state += min(cfg.index_topk, context) * (cfg.kv_lora_rank + cfg.qk_rope_dim) * dt
-    else:
-      state += 2 * (cfg.delta_v_heads * cfg.delta_qk_dim * cfg.delta_v_dim * 4)
+    else:  # f32 recurrent state and the conv history of the last delta_conv_size - 1 tokens
+      conv = (cfg.delta_conv_size - 1) * (2 * cfg.delta_qk_heads * cfg.delta_qk_dim
+                                          + cfg.delta_v_heads * cfg.delta_v_dim) * dt
+      state += 2 * (cfg.delta_v_heads * cfg.delta_qk_dim * cfg.delta_v_dim * 4 + conv)
   return {"weights": weights, "state": state * batch, "total": weights + state * batch}
 
 
