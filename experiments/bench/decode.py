@@ -44,11 +44,13 @@ from serving.engine import Engine, Request
 from serving.types import SamplingParams
 
 _QUICK = flags.DEFINE_bool("quick", False, "tiny model, fewer tokens.")
-_PROMPT = flags.DEFINE_integer("prompt", 512, "Prompt tokens per request.")
-_NEW = flags.DEFINE_integer("new_tokens", 64, "Generated tokens per request.")
+_PROMPT = flags.DEFINE_integer("prompt", 512, "Prompt tokens per request.", lower_bound=1)
+_NEW = flags.DEFINE_integer("new_tokens", 64, "Generated tokens per request (the rate is over those after "
+                            "the first, so at least 2).", lower_bound=2)
 _BATCHES = flags.DEFINE_list("batches", ["1", "16"], "Concurrent requests (decode batch sizes).")
 _STEPS = flags.DEFINE_integer("decode_steps", 8, "Most decode steps per device call (run-ahead).")
-_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs per engine and batch (the median is reported).")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs per engine and batch (the median is reported).",
+                                lower_bound=1)
 
 
 def read_bandwidth(mib: int = 512, reps: int = 5) -> float:
