@@ -2,14 +2,18 @@
 benchmarks share it; never loosen to pass), the environment of a test's child JAX process, a
 stand-in for the engine driving a token processor, and random inputs with packed segments."""
 
+import os
+from typing import NoReturn
+
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from training.tolerance import RTOL, assert_close, rel_err
 
 __all__ = ["RTOL", "assert_close", "child_xla_flags", "compile_cache_env", "drive_processor",
-           "kill_once_saved", "model_like", "normal_data", "packed_segments", "rel_err", "row_positions",
-           "segment_positions", "subprocess_env", "text_tokens"]
+           "isolation_unavailable", "kill_once_saved", "model_like", "normal_data", "packed_segments",
+           "rel_err", "row_positions", "segment_positions", "subprocess_env", "text_tokens"]
 
 # The persistent compile cache's size cap: jax evicts least-recently-used entries past it (under a
 # file lock shared by the processes using the folder), so /tmp does not grow run after run.
@@ -158,3 +162,15 @@ def segment_positions(seg):
 def row_positions(b, t):
   """Positions 0..t-1 in each of b rows."""
   return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+
+
+REQUIRE_ISOLATION = "HORIZON_REQUIRE_ISOLATION"
+
+
+def isolation_unavailable(reason: str) -> NoReturn:
+  """Skips a test that needs nsjail or a tmpfs mount (root on Linux) where this machine lacks it;
+  fails it where $HORIZON_REQUIRE_ISOLATION is 1 (.ci/run sets it), so a broken sandbox cannot
+  pass CI as skips."""
+  if os.environ.get(REQUIRE_ISOLATION) == "1":
+    pytest.fail(f"{reason} (and ${REQUIRE_ISOLATION}=1 requires it)")
+  pytest.skip(reason)

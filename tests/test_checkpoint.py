@@ -30,7 +30,7 @@ from sharding import mesh as mesh_lib
 from sharding import rules as rules_lib
 from sharding.state import create_sharded_model, shard_model
 from tests._checkpoint_child import Small, small_values
-from tests.helpers import child_xla_flags
+from tests.helpers import child_xla_flags, isolation_unavailable
 from training import byte_corpus
 from training import checkpoint as ck
 from training.train_step import TrainConfig, jit_train_step, make_optimizer
@@ -304,7 +304,7 @@ def test_a_file_or_read_only_directory_is_refused_before_training(tmp_path):
   ro.mkdir()
   if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)],
                                          capture_output=True).returncode:
-    pytest.skip("a read-only mount needs root (root writes through file permissions)")
+    isolation_unavailable("a read-only mount needs root (root writes through file permissions)")
   try:
     with pytest.raises(ck.CheckpointError, match=r"directory .*/ro is not writable \(Read-only file sys"):
       ck.Checkpointer(ro, every=1, keep=1)

@@ -1,5 +1,6 @@
 """The suite's guards (tests/conftest.py): a hung test ends its process with every thread's stack
-instead of holding CI, and child JAX processes share the parent's machine-keyed compile cache."""
+instead of holding CI, child JAX processes share the parent's machine-keyed compile cache, and CI
+fails the sandbox tests that would otherwise skip (tests/helpers.py: isolation_unavailable)."""
 
 import os
 import subprocess
@@ -7,7 +8,9 @@ import sys
 import time
 from pathlib import Path
 
-from tests.helpers import compile_cache_dir, compile_cache_env
+import pytest
+
+from tests.helpers import compile_cache_dir, compile_cache_env, isolation_unavailable
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,3 +37,15 @@ def test_child_cache_env_matches_parent():
   assert int(env["JAX_COMPILATION_CACHE_MAX_SIZE"]) > 0
   import jaxlib
   assert os.path.basename(compile_cache_dir()).startswith(f"jaxlib-{jaxlib.__version__}-cpu-")
+
+
+@pytest.mark.parametrize("value, outcome", [("1", pytest.fail.Exception), ("", pytest.skip.Exception),
+                                            ("0", pytest.skip.Exception)])
+def test_missing_isolation_skips_but_fails_where_ci_requires_it(monkeypatch, value, outcome):
+  monkeypatch.setenv("HORIZON_REQUIRE_ISOLATION", value)
+  with pytest.raises(outcome, match="nsjail cannot run here: no user namespaces"):
+    isolation_unavailable("nsjail cannot run here: no user namespaces")
+
+
+def test_ci_requires_isolation():
+  assert "export HORIZON_REQUIRE_ISOLATION=1\n" in (ROOT / ".ci" / "run").read_text()

@@ -1,11 +1,10 @@
 """Shared by the domain tests: oracle replay (every oracle must score 1, every near miss 0) and the
 sandboxed context the command-running domains need."""
 
-import pytest
-
 from rl.envs.base import EnvContext, replay
 from rl.sandbox import Sandbox, SandboxUnavailable
 from rl.tasks.generators import corrupt_oracle, generate
+from tests.helpers import isolation_unavailable
 
 
 def replay_scores(domain, level, ctx, n_train, n_heldout, seed):
@@ -22,5 +21,5 @@ def sandboxed_context(tmp_path_factory, name: str, **kw) -> EnvContext:
   try:
     Sandbox()
   except SandboxUnavailable as e:
-    pytest.skip(f"nsjail cannot run here: {e}")
+    isolation_unavailable(f"nsjail cannot run here: {e}")
   return EnvContext(root=tmp_path_factory.mktemp(name), **kw)

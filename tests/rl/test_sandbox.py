@@ -14,6 +14,7 @@ import pytest
 
 from rl.sandbox import Sandbox, SandboxUnavailable, taskdir
 from rl.sandbox.sandbox import SANDBOX_UID
+from tests.helpers import isolation_unavailable
 
 CAP = 64 * 1024
 
@@ -23,7 +24,7 @@ def sandbox():
   try:
     return Sandbox(memory_mb=128, max_pids=32, output_limit_bytes=CAP, timeout_s=5.0)
   except SandboxUnavailable as e:
-    pytest.skip(f"nsjail cannot run here: {e}")
+    isolation_unavailable(f"nsjail cannot run here: {e}")
 
 
 @pytest.fixture

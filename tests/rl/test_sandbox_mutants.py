@@ -10,6 +10,7 @@ import pytest
 from rl.envs.base import ToolError
 from rl.sandbox import ExecResult, Sandbox, SandboxUnavailable, taskdir
 from rl.tools import files
+from tests.helpers import isolation_unavailable
 
 MiB = 2 ** 20
 
@@ -20,7 +21,7 @@ def small():
     return Sandbox(memory_mb=128, max_pids=32, output_limit_bytes=1000, timeout_s=5.0, tmp_mb=1,
                    file_size_mb=1)
   except SandboxUnavailable as e:
-    pytest.skip(f"nsjail cannot run here: {e}")
+    isolation_unavailable(f"nsjail cannot run here: {e}")
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +68,7 @@ def test_nsjail_failing_to_start_is_raised_with_its_words(tmp_path):
   try:
     broken = Sandbox(memory_mb=128, max_pids=32, timeout_s=5.0)
   except SandboxUnavailable as e:
-    pytest.skip(f"nsjail cannot run here: {e}")
+    isolation_unavailable(f"nsjail cannot run here: {e}")
   broken.tmp_mb = -1  # an impossible /tmp mount: nsjail exits 255 before the command starts
   with pytest.raises(SandboxUnavailable, match=r"nsjail failed to start the command: .*\[[EF]\]"):
     broken.run("echo never", tmp_path)
@@ -106,7 +107,7 @@ def test_a_task_tmpfs_has_its_size_mode_and_mount_flags(tmp_path):
   path.mkdir()
   why_not = taskdir.mount_tmpfs(path, 3)
   if why_not is not None:
-    pytest.skip(why_not)
+    isolation_unavailable(why_not)
   try:
     vfs = os.statvfs(path)
     assert vfs.f_blocks * vfs.f_frsize == 3 * MiB and vfs.f_files == 4096

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from rl.sandbox import taskdir
+from tests.helpers import isolation_unavailable
 
 DEAD = 4194305  # above the largest pid_max Linux allows (2**22): never a live process
 
@@ -82,7 +83,7 @@ def test_the_mount_table_decodes_escapes_and_bytes_that_are_not_utf8(tmp_path):
   path.mkdir()
   why_not = taskdir.mount_tmpfs(path, 1)
   if why_not is not None:
-    pytest.skip(why_not)
+    isolation_unavailable(why_not)
   try:
     assert path in taskdir._mount_points()
     assert taskdir.sweep_stale(tmp_path) == []
@@ -142,7 +143,7 @@ def test_the_sweep_unmounts_under_the_roots_only(tmp_path):
     point.mkdir(parents=True)
   why_not = taskdir.mount_tmpfs(points[0], 1)
   if why_not is not None:
-    pytest.skip(why_not)
+    isolation_unavailable(why_not)
   for point in points[1:]:
     assert taskdir.mount_tmpfs(point, 1) is None
   try:

@@ -13,6 +13,7 @@ from rl.tasks.generators import generate
 from rl.tasks.generators import terminal as gen
 from rl.tasks.schema import parse_task
 from serving.types import ToolCall
+from tests.helpers import isolation_unavailable
 from tests.rl.replay import replay_scores, sandboxed_context
 
 LEVELS = range(gen.MAX_DIFFICULTY + 1)
@@ -120,7 +121,8 @@ def _capped_env(root, disk_mb: int):
                  EnvContext(root=root, disk_mb=disk_mb))
   if str(env.dir) not in _mount_points():
     env.close()
-    pytest.skip("this process cannot mount a tmpfs (needs root on Linux); task directories are uncapped")
+    isolation_unavailable("this process cannot mount a tmpfs (needs root on Linux); task directories are "
+                          "uncapped")
   env.reset()
   return env
 
@@ -245,7 +247,7 @@ def test_mounts_of_a_killed_process_are_swept(tmp_path):
   mine = alive.new_dir("mine")
   if str(mine) not in _mount_points():
     alive.remove_dir(mine)
-    pytest.skip("this process cannot mount a tmpfs (needs root on Linux); nothing is left mounted")
+    isolation_unavailable("this process cannot mount a tmpfs (needs root on Linux); nothing is left mounted")
   child = subprocess.run([sys.executable, "-c", _KILLED_CHILD, str(shared)], capture_output=True, text=True,
                          timeout=120, cwd=Path(__file__).resolve().parents[2])
   assert child.returncode == -9, child.stderr
