@@ -136,14 +136,17 @@ def test_non_streaming_bodies(fake):
   assert c["usage"]["completion_tokens"] == 8
 
 
+def _stream_body(path, seed):
+  """A streamed request to `path` whose generation the fake engine scripts by `seed`."""
+  if "chat" in path:
+    return _chat(seed, stream=True)
+  return {"model": MODEL, "prompt": "x", "seed": seed, "stream": True, "max_tokens": 2}
+
+
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 def test_a_failed_generation_ends_the_stream_with_an_error_event(fake, path):
   server, _ = fake
-  body = (
-    _chat(FAIL, stream=True)
-    if "chat" in path
-    else {"model": MODEL, "prompt": "x", "seed": FAIL, "stream": True, "max_tokens": 2}
-  )
+  body = _stream_body(path, FAIL)
   lines = _sse(server.url, path, body)
   assert "[DONE]" not in lines and lines[-1] == {
     "error": {
@@ -208,11 +211,7 @@ def _wait_freed(engine, before):
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 def test_a_client_that_leaves_frees_the_engine_slot(fake, path):
   server, engine = fake
-  body = (
-    _chat(HANG, stream=True)
-    if "chat" in path
-    else {"model": MODEL, "prompt": "x", "seed": HANG, "stream": True, "max_tokens": 2}
-  )
+  body = _stream_body(path, HANG)
   before = len(engine.freed)
   with httpx.stream("POST", server.url + path, json=body, headers=AUTH, timeout=10) as r:
     next(r.iter_lines())

@@ -121,27 +121,23 @@ def test_health_follows_the_engine(fake):
   assert head.status_code == 200 and head.content == b""
 
 
+def _openai_error(message, type_, code):
+  return {"message": message, "type": type_, "param": None, "code": code}
+
+
 def test_unknown_routes_and_methods(fake):
   server, _ = fake
   nope = httpx.post(server.url + "/v1/nope", json={}, headers=AUTH)
-  assert nope.status_code == 404 and nope.json()["error"] == {
-    "message": "Invalid URL (POST /v1/nope): no such route.",
-    "type": "not_found_error",
-    "param": None,
-    "code": "not_found",
-  }
+  assert nope.status_code == 404 and nope.json()["error"] == _openai_error(
+    "Invalid URL (POST /v1/nope): no such route.", "not_found_error", "not_found")
   a = httpx.get(server.url + "/v1/messages/nope", headers=AUTH)
   assert a.status_code == 404 and a.json() == {
     "type": "error",
     "error": {"type": "not_found_error", "message": "Invalid URL (GET /v1/messages/nope): no such route."},
   }
   wrong = httpx.get(server.url + "/v1/completions", headers=AUTH)
-  assert wrong.status_code == 405 and wrong.json()["error"] == {
-    "message": "Method GET is not allowed on /v1/completions.",
-    "type": "invalid_request_error",
-    "param": None,
-    "code": "method_not_allowed",
-  }
+  assert wrong.status_code == 405 and wrong.json()["error"] == _openai_error(
+    "Method GET is not allowed on /v1/completions.", "invalid_request_error", "method_not_allowed")
   a405 = httpx.get(server.url + "/v1/messages", headers=AUTH)
   assert a405.status_code == 405 and a405.json()["error"]["type"] == "invalid_request_error"
 
