@@ -192,6 +192,8 @@ def dropless_experts(x_td: jax.Array, expert_idx_tk: jax.Array, weights_tk: jax.
   impl = resolve_impl(impl, t * kslots, e)
   if block is not None and int(block) < 1:
     raise ValueError(f"dropless_experts: block={block} must be >= 1.")
+  if t == 0:  # an empty batch: every path below reads row 0 of something or reshapes by -1
+    return jnp.zeros((0, x_td.shape[1]), dtype)
   if impl == "gather":
     y = _gather_swiglu(x_td, expert_idx_tk, w_gate, w_up, w_down, dtype)
     return einsum("tjd,tj->td", y.reshape(t, kslots, -1), weights_tk, dtype)

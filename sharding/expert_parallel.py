@@ -226,6 +226,8 @@ def expert_parallel_experts(x_td: jax.Array, idx_tk: jax.Array, weights_tk: jax.
     raise rules_lib.ShardingError(f"num_experts={e} is not divisible by the expert mesh axis ({ep}); "
                                   "change config.model.num_experts or config.mesh.expert.")
   t, d = x_td.shape
+  if t == 0:  # an empty batch: nothing to exchange (shard_map and the reshapes below need rows)
+    return jnp.zeros((0, d), x_td.dtype), jnp.zeros((), jnp.float32)
   shards = math.prod(mesh.shape[a] for a in batch_axes)
   pad = -t % shards
   valid = jnp.arange(t + pad) < t
