@@ -108,11 +108,12 @@ def _mount_points() -> list[Path]:
   """Mount points of this mount namespace, from /proc/self/mountinfo (octal escapes decoded; the
   bytes of a name as os.listdir gives them, so a name that is not UTF-8 neither fails nor differs)."""
   try:
-    lines = Path("/proc/self/mountinfo").read_bytes().splitlines()
+    lines = Path("/proc/self/mountinfo").read_bytes().split(b"\n")  # the kernel escapes only " \t\n\\"
   except OSError:
     return []
   unescape = lambda s: re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m.group(1), 8)]), s)  # noqa: E731
-  return [Path(os.fsdecode(unescape(line.split()[4]))) for line in lines if len(line.split()) > 4]
+  fields = [line.split(b" ") for line in lines]  # one space between fields; a name's own are escaped
+  return [Path(os.fsdecode(unescape(f[4]))) for f in fields if len(f) > 4]
 
 
 def sweep_stale(root: Path, temp_dir: Path | None = None) -> list[Path]:

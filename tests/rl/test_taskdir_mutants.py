@@ -78,8 +78,8 @@ def test_a_tmpfs_needs_root(tmp_path, monkeypatch):
 
 def test_the_mount_table_decodes_escapes_and_bytes_that_are_not_utf8(tmp_path):
   """A mount point whose name is not UTF-8 raised UnicodeDecodeError out of the sweep (every
-  EnvContext() failed); a space is written `\\040` in the table."""
-  path = Path(os.fsdecode(os.path.join(os.fsencode(str(tmp_path)), b"a b\xff\\c")))
+  EnvContext() failed); a space is written `\\040` in the table, a carriage return is not escaped."""
+  path = Path(os.fsdecode(os.path.join(os.fsencode(str(tmp_path)), b"a b\xff\\c\rd")))
   path.mkdir()
   why_not = taskdir.mount_tmpfs(path, 1)
   if why_not is not None:
