@@ -6,6 +6,7 @@ import statistics
 import time
 
 import jax
+from absl import flags
 
 from training import metrics
 
@@ -115,3 +116,12 @@ def matmul_sizes(text: str) -> list[int]:
   if not sizes or min(sizes) < 1:
     raise argparse.ArgumentTypeError(f"{text!r}: give positive matmul sizes, comma-separated (1024,2048)")
   return sizes
+
+
+def quick_flag(help_text: str):
+  """The benchmarks' --quick (a smoke run), defined once per process: absl refuses a second
+  definition, and the tests import several benchmark modules into one process. Returns an object
+  whose `.value` is the flag's value."""
+  if "quick" in flags.FLAGS:
+    return flags.FLAGS["quick"]
+  return flags.DEFINE_bool("quick", False, help_text)

@@ -38,12 +38,12 @@ import numpy as np
 from absl import app, flags
 
 from configs import serve
-from experiments.bench.common import report_cpu
+from experiments.bench.common import quick_flag, report_cpu
 from serving.build import build_engine
 from serving.engine import Engine, Request
 from serving.types import SamplingParams
 
-_QUICK = flags.DEFINE_bool("quick", False, "tiny model, fewer tokens.")
+_QUICK = quick_flag("tiny model, fewer tokens.")
 _PROMPT = flags.DEFINE_integer("prompt", 512, "Prompt tokens per request.", lower_bound=1)
 _NEW = flags.DEFINE_integer("new_tokens", 64, "Generated tokens per request (the rate is over those after "
                             "the first, so at least 2).", lower_bound=2)

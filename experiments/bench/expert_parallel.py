@@ -59,7 +59,7 @@ from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
 from configs import horizon  # noqa: E402
-from experiments.bench.common import compiled_peak_bytes, median_seconds  # noqa: E402
+from experiments.bench.common import compiled_peak_bytes, median_seconds, quick_flag  # noqa: E402
 from experiments.config_util import define_config_flag  # noqa: E402
 from model.config import ModelConfig, model_config  # noqa: E402
 from model.layers import RMSNorm  # noqa: E402
@@ -96,7 +96,7 @@ whole-block ratio is a little above 1/8."""
 
 FLAGS = flags.FLAGS
 _CONFIG = define_config_flag(required=False)
-flags.DEFINE_bool("quick", False, "small batch and fewer reps for a smoke run (< 1 min)")
+quick_flag("small batch and fewer reps for a smoke run (< 1 min)")
 flags.DEFINE_integer("batch_per_device", 1, "sequences per device (global batch = 8x this)")
 flags.DEFINE_integer("seq", 512, "tokens per sequence")
 flags.DEFINE_integer("reps", 5, "timed steps per layout (median reported)")

@@ -30,12 +30,13 @@ import numpy as np
 from absl import app, flags
 
 from configs import serve
+from experiments.bench.common import quick_flag
 from serving.build import build_engine
 from serving.chat import ChatRenderer
 from serving.engine import Engine, Request
 from serving.types import Message, SamplingParams, TextPart, Tool, ToolCall
 
-_QUICK = flags.DEFINE_bool("quick", False, "tiny model, a short conversation.")
+_QUICK = quick_flag("tiny model, a short conversation.")
 _TURNS = flags.DEFINE_integer("turns", 8, "Assistant turns.")
 _REPS = flags.DEFINE_integer("reps", 3, "Repetitions (each on a fresh cache); medians reported.")
 

@@ -22,12 +22,12 @@ import numpy as np
 from absl import app, flags
 
 from configs import serve
-from experiments.bench.common import report_cpu
+from experiments.bench.common import quick_flag, report_cpu
 from serving.build import build_engine
 from serving.engine import Engine, Request
 from serving.types import SamplingParams
 
-_QUICK = flags.DEFINE_bool("quick", False, "tiny model, fewer requests.")
+_QUICK = quick_flag("tiny model, fewer requests.")
 _SLOTS = flags.DEFINE_integer("slots", 8, "Engine slots.")
 _REQUESTS = flags.DEFINE_integer("requests", 24, "Requests submitted at once (more than slots: a queue).")
 _PROMPT = flags.DEFINE_integer("prompt", 64, "Prompt tokens per request.")

@@ -36,13 +36,14 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from configs import serve
+from experiments.bench.common import quick_flag
 from serving.build import build_engine
 from serving.server import BackgroundServer, create_app
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Serve config; default configs/serve.py:small "
                                           "(tiny with --quick).", lock_config=False)
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Checkpoint dir; unset: random init.")
-_QUICK = flags.DEFINE_bool("quick", False, "tiny config, fewer tokens and requests.")
+_QUICK = quick_flag("tiny config, fewer tokens and requests.")
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", None, "Tokens per request (default 64; quick 24).")
 _REQUESTS = flags.DEFINE_integer("requests", None, "Requests per client per level (default 2; quick 1).")
 _REPS = flags.DEFINE_integer("reps", None, "Repetitions per level, median reported (default 3; quick 1).")
