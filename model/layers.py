@@ -179,6 +179,13 @@ def from_bits(x: jax.Array, dtype) -> jax.Array:
   return jax.lax.bitcast_convert_type(x, dtype) if _is_16_bit_float(dtype) else x
 
 
+def check_prefix_mask(valid: jax.Array, who: str) -> None:
+  """ValueError where a concrete valid [b, t] is not a prefix mask per row (a layer's extend
+  writes its first sum(valid) slots); a traced one, under jit, is not checked."""
+  if not isinstance(valid, jax.core.Tracer) and bool(jnp.any(valid[:, 1:] & ~valid[:, :-1])):
+    raise ValueError(f"{who}: valid must be a prefix mask per row (real tokens first, then padding).")
+
+
 def scatter_set(buf: jax.Array, index, new: jax.Array, mode: str | None = None) -> jax.Array:
   """`buf.at[index].set(new)` with `new` cast to buf's dtype; 16-bit floats move as uint16, the same
   bits: XLA:CPU computes a bf16/f16 scatter in f32, converting the whole buffer there and back (a

@@ -37,7 +37,7 @@ from flax import nnx
 
 from model.attention.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from model.config import ModelConfig
-from model.layers import einsum, param, rms_norm
+from model.layers import check_prefix_mask, einsum, param, rms_norm
 from sharding.rules import per_shard
 
 L2_EPS = 1e-6
@@ -253,9 +253,7 @@ class DeltaAttention(nnx.Module):
     cfg = self.cfg
     self._check(x, "x", valid, "valid")
     self._check_cache(cache, x.shape[0])
-    if not isinstance(valid, jax.core.Tracer) and bool(jnp.any(valid[:, 1:] & ~valid[:, :-1])):
-      raise ValueError("DeltaAttention.extend: valid must be a prefix mask per row (real tokens "
-                       "first, then padding).")
+    check_prefix_mask(valid, "DeltaAttention.extend")
     width = cfg.delta_conv_size
     pre, z, beta, g = self._project(x)
     history_and_x = jnp.concatenate([cache.conv.astype(pre.dtype), pre], axis=1)

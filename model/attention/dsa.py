@@ -30,7 +30,7 @@ from flax import nnx
 
 from model.attention import sparse
 from model.config import ModelConfig
-from model.layers import F32_SCOPE, RMSNorm, apply_rope, einsum, param, scatter_set
+from model.layers import F32_SCOPE, RMSNorm, apply_rope, check_prefix_mask, einsum, param, scatter_set
 from pallas_kernels.indexer_topk.reference import allowed_mask, indexer_scores_dense
 from pallas_kernels.sparse_attention.reference import dense_mqa_attention
 from sharding.rules import per_shard
@@ -262,10 +262,8 @@ class GatedDSA(nnx.Module):
     if t > cache.max_len:
       raise ValueError(f"GatedDSA.extend: {t} new tokens exceed the cache's max_len={cache.max_len}; "
                        "use a larger init_cache(max_len=...).")
+    check_prefix_mask(valid, "GatedDSA.extend")
     if not isinstance(cache.lengths, jax.core.Tracer) and not isinstance(valid, jax.core.Tracer):
-      if bool(jnp.any(valid[:, 1:] & ~valid[:, :-1])):
-        raise ValueError("GatedDSA.extend: valid must be a prefix mask per row (real tokens first, "
-                         "then padding).")
       need = int(jnp.max(cache.lengths + jnp.sum(valid, axis=1)))
       if need > cache.max_len:
         raise ValueError(f"GatedDSA.extend: a row would hold {need} tokens > max_len={cache.max_len}; "
