@@ -71,3 +71,28 @@ def test_whitespace_only_jsonl_documents_are_skipped(tmp_path):
   (tmp_path / "a.jsonl").write_text("".join(json.dumps(o) + "\n" for o in lines))
   (src,) = ds.parse_sources(f"jsonl:{tmp_path}/*.jsonl")
   assert list(ds.iter_documents(src)) == ["first", "last"]
+
+
+def test_an_at_sign_in_a_jsonl_folder_is_part_of_the_path(tmp_path):
+  """'@' followed by a '/' is a folder name, not the field: the rule used to cut the path there and
+  read a field named 'x/*.jsonl'."""
+  (src,) = ds.parse_sources("jsonl:/data/team@x/*.jsonl=2")
+  assert (src.pattern, src.field, src.weight) == ("/data/team@x/*.jsonl", "text", 2.0)
+  (src,) = ds.parse_sources("jsonl:/data/team@x/*.jsonl@body")
+  assert (src.pattern, src.field) == ("/data/team@x/*.jsonl", "body")
+  folder = tmp_path / "team@x"
+  folder.mkdir()
+  (folder / "a.jsonl").write_text(json.dumps({"text": "one"}) + "\n")
+  (src,) = ds.parse_sources(f"jsonl:{folder}/*.jsonl")
+  assert list(ds.iter_documents(src)) == ["one"]
+
+
+def test_a_local_glob_may_start_at_home(tmp_path, monkeypatch):
+  """A quoted '--data_sources=text:~/notes/*.md' reaches the program with '~' unexpanded."""
+  monkeypatch.setenv("HOME", str(tmp_path))
+  (tmp_path / "notes").mkdir()
+  (tmp_path / "notes" / "a.md").write_text("alpha")
+  (src,) = ds.parse_sources("text:~/notes/*.md")
+  assert src.pattern == "~/notes/*.md"  # the spec as written (what the data's metadata records)
+  assert [str(p) for p in ds.source_files(src)] == [str(tmp_path / "notes" / "a.md")]
+  assert list(ds.iter_documents(src)) == ["alpha"]

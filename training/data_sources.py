@@ -51,8 +51,9 @@ def parse_sources(spec: str) -> list[Source]:
   """Parses "stdlib=0.7;text:/data/*.md=0.2;jsonl:/data/x.jsonl@text=0.1".
 
   Parts are separated by ';'. Each is `stdlib`, `text:<glob>` or
-  `jsonl:<glob>[@field]` (field default 'text'), optionally followed by
-  `=<weight>` (default 1.0). Names are the kind plus an index per kind
+  `jsonl:<glob>[@field]` (field default 'text'; an '@' with a '/' after it
+  belongs to the path), optionally followed by `=<weight>` (default 1.0). A
+  local glob may start with '~' (the user's home). Names are the kind plus an index per kind
   (stdlib, text_0, text_1, jsonl_0, ...), unique and filesystem-safe.
   """
   if not isinstance(spec, str) or not spec.strip():
@@ -79,7 +80,8 @@ def parse_sources(spec: str) -> list[Source]:
         raise DataError(f"sources spec {spec!r} names 'stdlib' twice.")
     elif not pattern:
       raise DataError(f"source {part!r}: missing path/glob; write '{kind}:<glob>=<weight>'.")
-    if kind == "jsonl" and "@" in pattern:
+    # A '/' after the last '@' makes it part of the path ('jsonl:/data/team@x/*.jsonl').
+    if kind == "jsonl" and "@" in pattern and "/" not in pattern.rsplit("@", 1)[1]:
       pattern, field = pattern.rsplit("@", 1)
       if not field:
         raise DataError(f"source {part!r}: empty field after '@'; write '@<json key>'.")
@@ -125,6 +127,7 @@ def source_files(source: Source) -> list[epath.Path]:
 def _glob(pattern: str) -> list[epath.Path]:
   """Local globs may use '**' (recursive); remote ones (gs://...) one level of wildcards."""
   if "://" not in pattern:
+    pattern = os.path.expanduser(pattern)  # quoted specs reach us with '~' unexpanded
     return sorted(epath.Path(p) for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
   path = epath.Path(pattern)
   parts = path.parts
