@@ -91,3 +91,15 @@ def test_blockwise_topk_negative_segments_select_nothing():
   for i in range(t):
     for j in idx[0, i][valid[0, i]]:
       assert seg[0, j] == seg[0, i] >= 0 and j <= i, (i, j)
+
+
+def test_topk_mask_takes_numpy_ints_and_refuses_bools():
+  """A top-k read from a NumPy config (np.int64) is a count; True is not (it kept one entry per row)."""
+  rng = np.random.default_rng(5)
+  scores = rng.standard_normal((3, 7)).astype(np.float32)
+  allowed = rng.random(scores.shape) < 0.8
+  got = np.asarray(sparse.topk_mask(scores, allowed, np.int64(2)))
+  np.testing.assert_array_equal(got, _numpy_topk_mask(scores, allowed, 2))
+  for bad in (True, 2.0, 0):
+    with pytest.raises(ValueError, match=r"topk_mask: topk=.* must be an int >= 1"):
+      sparse.topk_mask(scores, allowed, bad)

@@ -23,7 +23,7 @@ def test_split_seeds_are_offsets_into_disjoint_ranges():
     for seed in (0, 7, 2 ** 31 - 1):
       got = shapes.split_rng(split, seed).integers(0, 2 ** 62, 4)
       np.testing.assert_array_equal(got, np.random.default_rng(base + seed).integers(0, 2 ** 62, 4))
-  with pytest.raises(ValueError, match=r"seed=2147483648: must be in \[0, 2\^31\)"):
+  with pytest.raises(ValueError, match=r"seed=2147483648: must be an int in \[0, 2\^31\)"):
     shapes.split_rng("heldout", 2 ** 31)
 
 
@@ -87,3 +87,15 @@ def test_a_row_that_just_fits_is_packed_and_one_token_less_is_refused():
   assert out["segment_ids"].tolist() == [[1, 1, 1, 1, 0, 0]]
   with pytest.raises(ValueError, match=r"seq_len=3 is too short .* 4 next-token pairs .* >= 4"):
     shapes.pack_rows([[1, 2, 3]], [[4, 5]], 3, pad_id=0)
+
+
+def test_split_seed_must_be_an_int_and_answer_batch_positive(tok, tiny_cfg):
+  """True read as seed 1 (the same images as seed 1, silently); a NumPy seed is that seed; a batch
+  of 0 was a bare range() error after loading the model."""
+  np.testing.assert_array_equal(shapes.split_rng("train", np.int64(7)).integers(0, 2 ** 62, 3),
+                                np.random.default_rng(7).integers(0, 2 ** 62, 3))
+  for bad in (True, 1.0, "1"):
+    with pytest.raises(ValueError, match=r"seed=.*: must be an int in \[0, 2\^31\)"):
+      shapes.split_rng("train", bad)
+  with pytest.raises(ValueError, match=r"answer_questions: batch=0 must be a positive int"):
+    shapes.answer_questions(None, tok, tiny_cfg, np.zeros((1, 16, 16, 3), np.uint8), ["q"], batch=0)

@@ -30,6 +30,7 @@ accuracy 0.51 question-first vs 0.15 image-first.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Sequence
 
 import jax.numpy as jnp
@@ -56,9 +57,9 @@ def split_rng(split: str, seed: int) -> np.random.Generator:
   """A generator for `split` ('train' seeds [0, 2^31), 'heldout' [2^31, 2^32))."""
   if split not in _SPLIT_BASE:
     raise ValueError(f"split={split!r}: choose one of {sorted(_SPLIT_BASE)}.")
-  if not 0 <= seed < 1 << 31:
-    raise ValueError(f"seed={seed}: must be in [0, 2^31) (the split picks the range).")
-  return np.random.default_rng(_SPLIT_BASE[split] + seed)
+  if not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or not 0 <= seed < 1 << 31:
+    raise ValueError(f"seed={seed!r}: must be an int in [0, 2^31) (the split picks the range).")
+  return np.random.default_rng(_SPLIT_BASE[split] + int(seed))
 
 
 def _shape_mask(kind: str, size: int, cy: float, cx: float, image_size: int) -> np.ndarray:
@@ -247,6 +248,8 @@ def answer_questions(model, tokenizer, cfg_model, images: np.ndarray, questions:
                      max_new: int = 16, batch: int = 64) -> list[str]:
   """The model's greedy answers (text before eos, leading space dropped); images [n, H, W, 3]."""
   check_model(tokenizer, cfg_model)
+  if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+    raise ValueError(f"answer_questions: batch={batch!r} must be a positive int.")
   answers = []
   for start in range(0, len(questions), batch):
     qs = list(questions[start:start + batch])

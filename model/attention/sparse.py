@@ -40,6 +40,7 @@ head dim, c latent (kv_lora) dim, p RoPE dim, j selected top-k slot.
 from __future__ import annotations
 
 import functools
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -144,7 +145,9 @@ def topk_mask(scores: jax.Array, allowed: jax.Array, topk: int) -> jax.Array:
   Returns:
     [..., s] bool mask, a subset of `allowed` with min(topk, allowed per row) entries per row.
   """
-  need(isinstance(topk, int) and topk >= 1, f"topk_mask: topk={topk!r} must be an int >= 1.")
+  need(isinstance(topk, numbers.Integral) and not isinstance(topk, bool) and topk >= 1,
+       f"topk_mask: topk={topk!r} must be an int >= 1.")  # True would keep one entry per row
+  topk = int(topk)
   need(scores.shape == allowed.shape, f"topk_mask: scores {scores.shape} and allowed {allowed.shape} "
        "must have the same shape.")
   key = _ordered_key(jax.lax.stop_gradient(scores))
