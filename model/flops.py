@@ -44,6 +44,7 @@ c latent (kv_lora) dim.
 from __future__ import annotations
 
 import math
+import numbers
 
 from model.attention.delta_rule import _PRODUCT_BLOCK  # the inverse's recursion cut-off
 from model.config import ModelConfig
@@ -143,8 +144,9 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
     (3 x forward), 'recompute' (the remat policy's recomputed forward work) and
     'train' (train_model + recompute: 4 x forward for remat='full').
   """
-  if not isinstance(seq_len, int) or seq_len < 1:
+  if isinstance(seq_len, bool) or not isinstance(seq_len, numbers.Integral) or seq_len < 1:
     raise ValueError(f"flops_per_token: seq_len={seq_len!r} must be a positive int (tokens per row).")
+  seq_len = int(seq_len)  # a numpy integer (an array's shape entry, a config read back) counts as one
   n_dsa, n_delta = cfg.layer_kinds.count("dsa"), cfg.layer_kinds.count("delta")
   n_dense, n_moe = cfg.ffn_kinds.count("dense"), cfg.ffn_kinds.count("moe")
   dsa, delta, ffn = _dsa_macs(cfg, seq_len), _delta_macs(cfg, seq_len), _ffn_macs(cfg)

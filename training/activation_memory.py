@@ -125,6 +125,9 @@ class Local:
   def __post_init__(self):
     if self.seqs < 1 or self.seq_len < 1:
       raise ValueError(f"Local: seqs={self.seqs} and seq_len={self.seq_len} must be >= 1.")
+    if min(self.tensor, self.expert, self.fsdp) < 1:
+      raise ValueError(f"Local: tensor={self.tensor}, expert={self.expert} and fsdp={self.fsdp} "
+                       "(mesh axis sizes) must be >= 1.")
     if self.backend not in BACKENDS:
       raise ConfigError(f"--backend={self.backend!r}: choose one of {BACKENDS}.")
     if self.exchange not in ("ragged", "capacity"):
