@@ -30,6 +30,7 @@ discard it do not pay for it (the call is dead code then).
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -92,7 +93,8 @@ def _check_args(q_lat, q_rope, latent, k_rope, idx, valid, scale, query_block):
   _need(jnp.issubdtype(idx.dtype, jnp.integer), f"{fn}: idx must be an integer array, got {idx.dtype}.")
   _need(isinstance(query_block, int) and query_block > 0,
         f"{fn}: query_block={query_block!r} must be a positive int.")
-  _need(isinstance(scale, (int, float)) and scale > 0, f"{fn}: scale={scale!r} must be a positive number.")
+  _need(isinstance(scale, numbers.Real) and not isinstance(scale, bool) and 0 < scale < float("inf"),
+        f"{fn}: scale={scale!r} must be a positive number.")
   return b, t, h, s, c, q_rope.shape[3], idx.shape[2]
 
 
