@@ -36,15 +36,15 @@ def tier_name(tier: str | None) -> str:
 
 
 def parse_tiers(text: str, field: str = "--tiers") -> list[str | None]:
-  """'low,high,max' -> tiers; 'off' (or 'none') is thinking off; errors name `field`."""
+  """'low,high,max' -> tiers; 'off' (or 'none') is thinking off; each at most once; errors name `field`."""
   out: list[str | None] = []
   for part in (p.strip() for p in text.split(",") if p.strip()):
-    if part in ("off", "none"):
-      out.append(None)
-    elif part in ("low", "high", "max"):
-      out.append(part)
-    else:
+    if part not in ("off", "none", "low", "high", "max"):
       raise ConfigError(f"{field}: unknown tier {part!r}; use low, high, max or off")
+    tier = None if part in ("off", "none") else part
+    if tier in out:  # played twice under one key, each episode would count twice in the report
+      raise ConfigError(f"{field}: tier {tier_name(tier)!r} is given twice")
+    out.append(tier)
   if not out:
     raise ConfigError(f"{field} is empty; e.g. {field}=low,high,max")
   return out
@@ -83,9 +83,12 @@ def _jobs(tasks, tiers, samples: int, sampling: Sampling, task_tier_wins: bool):
   ids = [t.id for t in tasks]
   if len(set(ids)) != len(ids):
     raise ConfigError("task ids must be unique within an evaluation")
+  tiers = list(tiers)
+  if len(set(tiers)) != len(tiers):
+    raise ConfigError(f"tiers must be unique; got {[tier_name(t) for t in tiers]}")
   jobs, keys = [], []
   for task in tasks:
-    task_tiers = [task.tier] if (task_tier_wins and task.tier) else list(tiers)
+    task_tiers = [task.tier] if (task_tier_wins and task.tier) else tiers
     for tier in task_tiers:
       for i in range(samples):
         keys.append(job_key(task.id, tier, i))

@@ -26,9 +26,11 @@ from training.checkpoint import read_meta
 def generated_tasks(domains: Sequence[str], split: str, difficulty: int, n: int, seed: int = 0) -> list[Task]:
   """`n` tasks per domain from the built-in generators (difficulty capped at each domain's top)."""
   out = []
-  for domain in domains:
+  for i, domain in enumerate(domains):
     if domain not in DOMAINS:
       raise ConfigError(f"--domains: unknown domain {domain!r}; domains: {', '.join(DOMAINS)}")
+    if domain in domains[:i]:  # its tasks twice: refused by the harness, but only after a model loads
+      raise ConfigError(f"--domains: {domain!r} is given twice")
     level = min(difficulty, generators.max_difficulty(domain))
     out += generators.generate(domain, split=split, difficulty=level, n=n, seed=seed)
   return out
