@@ -150,8 +150,7 @@ def run_evaluation(
   summary = report.summary_json(rows)
   (out / "summary.json").write_text(summary + "\n")
   meta = {
-    "policy": f"{api}:{endpoint}" if endpoint else f"checkpoint:{checkpoint}@{step}" if checkpoint
-    else "checkpoint:random-init",
+    "policy": signature["policy"] if checkpoint or endpoint else "checkpoint:random-init",
     "tasks": len(tasks),
     "tiers": [harness.tier_name(t) for t in tiers],
     "samples": samples,

@@ -61,7 +61,7 @@ def test_run_writes_table_summary_and_run_json(tmp_path, monkeypatch):
   res = _evaluate(monkeypatch, tmp_path, _Oracle())
   sampling = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "seed": 7, "max_tokens_per_turn": 48}
   meta = json.loads((tmp_path / "run.json").read_text())
-  assert meta.pop("wall_s") >= 0 and meta == {"policy": "openai:http://127.0.0.1:9", "tasks": 3,
+  assert meta.pop("wall_s") >= 0 and meta == {"policy": "openai:http://127.0.0.1:9:m", "tasks": 3,
                                               "tiers": ["off", "low"], "samples": 2, "temperature": 1.0,
                                               "sampling": sampling}
   signature = json.loads((tmp_path / "results.jsonl.signature.json").read_text())
