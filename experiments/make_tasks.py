@@ -29,6 +29,8 @@ flags.register_validator("domain", lambda ds: bool(ds) and sorted(set(ds) & set(
                          f"--domain: one or more of {', '.join(DOMAINS)}, each once")
 flags.register_validator("n", lambda n: n >= 1, "--n: tasks per domain, an integer >= 1")
 flags.register_validator("difficulty", lambda d: d >= 0, "--difficulty: a level >= 0 (0 is the easiest)")
+flags.register_validator("seed", lambda s: s >= 0, "--seed: an integer >= 0 (as config.sft.task_seed)")
+flags.register_validator("out", lambda p: not os.path.isdir(p), "--out: a file path, not a directory")
 
 
 def main(argv):
@@ -42,6 +44,7 @@ def main(argv):
   # Written beside --out and read back under the public schema before it replaces --out, so a
   # failure never leaves a half-written or invalid file where a good one was.
   out = Path(_OUT.value)
+  out.parent.mkdir(parents=True, exist_ok=True)
   tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
   try:
     write_tasks(tasks, tmp)

@@ -74,11 +74,18 @@ def main(argv):
   if _MAX_BYTES.value < 1 << 16:
     raise SystemExit(f"--max_bytes={_MAX_BYTES.value}: train on at least {1 << 16} bytes of the corpus.")
   texts = tok_lib.stdlib_training_texts(_MAX_BYTES.value)
-  max_digits = _MAX_DIGITS.value or tok_lib.BUNDLED_MAX_DIGITS.get(config.get("variant", ""), 3)
+  max_digits = _MAX_DIGITS.value  # 0 is refused below, not read as "the default"
+  if max_digits is None:
+    max_digits = tok_lib.BUNDLED_MAX_DIGITS.get(config.get("variant", ""), 3)
   try:
     tok_lib.split_pattern(max_digits)
   except ValueError as e:
     raise SystemExit(f"--max_digits: {e}") from None
+  try:  # before training: a held-out set the corpus cannot give fails now, with nothing written
+    heldout = tok_lib.stdlib_heldout_text(_MAX_BYTES.value, _HELDOUT_BYTES.value)
+  except ValueError as e:
+    flags_given = f"--max_bytes={_MAX_BYTES.value} / --heldout_bytes={_HELDOUT_BYTES.value}"
+    raise SystemExit(f"{flags_given}: {e}") from None
   try:
     data = tok_lib.train_bpe(texts, vocab, max_digits).encode()
   except ValueError as e:  # too few merges in the corpus, or a vocab below 271 ids
@@ -94,7 +101,6 @@ def main(argv):
   epath.Path(out).parent.mkdir(parents=True, exist_ok=True)
   epath.Path(out).write_bytes(data)
 
-  heldout = tok_lib.stdlib_heldout_text(_MAX_BYTES.value, _HELDOUT_BYTES.value)
   heldout_bytes = len(heldout.encode("utf-8"))
   ids = tok.encode(heldout)
   assert tok.decode(ids) == heldout, "round trip failed on the held-out text"
