@@ -80,9 +80,9 @@ def validate_request(request: Request, *, max_context: int, vocab_size: int, mod
     raise RequestError(f"prompt ids must be ints in [0, {vocab_size}).", "prompt")
   if not is_int(p.max_tokens, numpy=True) or p.max_tokens < 1:
     raise RequestError(f"max_tokens={p.max_tokens!r} must be a positive int.", "max_tokens")
-  if len(ids) + p.max_tokens > max_context:
+  if len(ids) + int(p.max_tokens) > max_context:  # int(): a numpy int's sum wraps around (np.int8(127) + 2)
     raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({p.max_tokens}) = "
-                       f"{len(ids) + p.max_tokens} exceeds the context of {max_context} "
+                       f"{len(ids) + int(p.max_tokens)} exceeds the context of {max_context} "
                        f"tokens; lower max_tokens to at most {max_context - len(ids)}.", "max_tokens")
   _validate_sampling(p, vocab_size)
   _validate_images(arr, request.images, model_cfg, has_vision)

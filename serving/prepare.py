@@ -18,10 +18,11 @@ instead of being tokenized for tens of seconds.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 
-from serving.chat import Rendered, tool_line
+from serving.chat import Rendered, tool_call_json, tool_line
 from serving.context import ServerContext
 from serving.errors import APIError
 from serving.output import AUTO, OutputProcessor
@@ -62,8 +63,17 @@ def _message_chars(m: Message) -> tuple[int, int]:
     elif isinstance(part, ImagePart):
       images += 1
   for call in m.tool_calls or ():
-    chars += len(call.name) + len(call.arguments)
+    chars += _call_chars(call)
   return chars, images
+
+
+def _call_chars(call) -> int:
+  """The characters of a tool call as the renderer writes it: it parses the arguments and writes
+  them back (chat.tool_call_json), so whitespace and escapes in them are not what counts."""
+  try:
+    return len(tool_call_json(call.name, json.loads(call.arguments)))
+  except (TypeError, ValueError, RecursionError):  # not JSON: the renderer refuses it (a 400) anyway
+    return sum(len(x) for x in (call.name, call.arguments) if isinstance(x, str))
 
 
 def check_prompt_size(ctx: ServerContext, messages: Sequence[Message], tools: Sequence[Tool],
