@@ -135,21 +135,27 @@ async def merge_streams(handles: Sequence[Any]) -> AsyncIterator[tuple[int, Any]
       yield 0, event
     return
   queue: asyncio.Queue = asyncio.Queue()
+  done = object()
 
   async def pump(i: int, handle) -> None:
+    end = done
     try:
       async for event in stream_events(handle):
         await queue.put((i, event))
+    except Exception as e:  # raised to the consumer, as with one handle (was: that choice just ended)
+      end = e
     finally:
-      await queue.put((i, None))
+      await queue.put((i, end))
 
   tasks = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
   try:
     remaining = len(handles)
     while remaining:
       i, event = await queue.get()
-      if event is None:
+      if event is done:
         remaining -= 1
+      elif isinstance(event, Exception):
+        raise event
       else:
         yield i, event
   finally:

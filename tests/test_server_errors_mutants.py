@@ -427,3 +427,28 @@ def test_submit_stacks_every_image():
   assert both.images.dtype == np.float32 and both.images.shape == (2, 2, 2, 1)
   assert both.images[0].sum() == 0 and both.images[1].sum() == 4
   assert both.prompt_ids == [7, 8] and both.params.seed == 3 and none.images is None
+
+
+def test_a_choice_whose_stream_fails_fails_the_merged_stream():
+  """With n > 1 choices, an exception in one choice's stream (here its processor's finish_reason)
+  reaches the consumer as it does with one choice; it used to end that choice without a final event,
+  and the response went on as if it had finished."""
+  engine = _Engine()
+
+  class Broken:
+    def finish_reason(self, reason):
+      raise RuntimeError("processor failed")
+
+  async def main():
+    loop = asyncio.get_running_loop()
+    a = _handle(engine, loop, _ev("a0"), _ev(finish="stop"))
+    b = _handle(engine, loop, _ev("b0"), _ev(finish="stop"))
+    b.request.processor = Broken()
+    got = []
+    with pytest.raises(RuntimeError, match="processor failed"):
+      async for i, e in run.merge_streams([a, b]):
+        got.append((i, e.finish_reason))
+    return got, a, b
+
+  got, _, _ = asyncio.run(main())
+  assert (1, "stop") not in got and (1, None) in got
