@@ -109,6 +109,15 @@ class Horizon(nnx.Module):
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
       raise ValueError(f"{name}: expected int [batch, seq], got {tokens.dtype}{list(tokens.shape)}.")
 
+  def _check_placeholders(self, tokens, n_patches: int, given: str):
+    """ValueError where a row of concrete tokens has more image placeholders than n_patches (the
+    merge would repeat the last patch); traced tokens, under jit, are not checked."""
+    if not isinstance(tokens, jax.core.Tracer):
+      n_ph = int(np.max(np.sum(np.asarray(tokens) == self.cfg.image_token_id, axis=1), initial=0))
+      if n_ph > n_patches:
+        raise ValueError(f"a row has {n_ph} image placeholder tokens but only {n_patches} image "
+                         f"patches were given ({given}).")
+
   def encode_images(self, images: jax.Array) -> jax.Array:
     """Vision encoder + projector: images [n, H, W, C] in [0, 1] -> [n, num_patches, d_model].
 
@@ -135,9 +144,11 @@ class Horizon(nnx.Module):
     if image_embeds is not None:
       if images is not None:
         raise ValueError("pass images or image_embeds, not both.")
-      if image_embeds.ndim != 3 or image_embeds.shape[0] != tokens.shape[0]:
-        raise ValueError(f"image_embeds: expected [batch={tokens.shape[0]}, patches, d_model], "
-                         f"got {list(image_embeds.shape)}.")
+      if (image_embeds.ndim != 3 or image_embeds.shape[0] != tokens.shape[0]
+          or image_embeds.shape[2] != self.cfg.d_model):
+        raise ValueError(f"image_embeds: expected [batch={tokens.shape[0]}, patches, "
+                         f"d_model={self.cfg.d_model}], got {list(image_embeds.shape)}.")
+      self._check_placeholders(tokens, image_embeds.shape[1], "image_embeds")
       return merge_image_embeddings(x, tokens, image_embeds, self.cfg.image_token_id)
     if images is None:
       return x
@@ -148,11 +159,8 @@ class Horizon(nnx.Module):
                        f"got {list(images.shape)}.")
     b, m = images.shape[:2]
     n_patches = m * self.cfg.vision.num_patches
+    self._check_placeholders(tokens, n_patches, f"{m} images x {self.cfg.vision.num_patches} patches")
     if not isinstance(tokens, jax.core.Tracer):  # checkable only on concrete tokens
-      n_ph = int(np.max(np.sum(np.asarray(tokens) == self.cfg.image_token_id, axis=1)))
-      if n_ph > n_patches:
-        raise ValueError(f"a row has {n_ph} image placeholder tokens but only {n_patches} image "
-                         f"patches were given ({m} images x {self.cfg.vision.num_patches} patches).")
       counts = np.sum(np.asarray(tokens) == self.cfg.image_token_id, axis=1)
       if np.any(counts % self.cfg.vision.num_patches):
         raise ValueError(f"rows have {counts.tolist()} image placeholder tokens; each image takes "
@@ -221,7 +229,7 @@ class Horizon(nnx.Module):
   # ---- generation -----------------------------------------------------------
   def init_cache(self, batch: int, max_len: int | None = None) -> list[Any]:
     """An empty decode state for `batch` rows and up to `max_len` tokens."""
-    max_len = max_len or self.cfg.max_seq_len
+    max_len = self.cfg.max_seq_len if max_len is None else max_len  # 0 is an error, not the default
     if max_len > self.cfg.max_seq_len:
       raise ValueError(f"max_len={max_len} exceeds config.model.max_seq_len={self.cfg.max_seq_len}.")
     return [blk.attn.init_cache(batch, max_len, self.cfg.jnp_dtype) for blk in self.blocks]
