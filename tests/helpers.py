@@ -174,3 +174,19 @@ def isolation_unavailable(reason: str) -> NoReturn:
   if os.environ.get(REQUIRE_ISOLATION) == "1":
     pytest.fail(f"{reason} (and ${REQUIRE_ISOLATION}=1 requires it)")
   pytest.skip(reason)
+
+
+def failing_session(inner):
+  """A policy session that behaves as `inner` except that every turn fails as a server that is down
+  (ConnectionError): an episode the policy could not play."""
+
+  class Failing:
+    token_level = False
+
+    def __getattr__(self, name):
+      return getattr(inner, name)
+
+    async def complete(self, messages, turn):
+      raise ConnectionError("connection refused")
+
+  return Failing()

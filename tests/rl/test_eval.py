@@ -12,6 +12,7 @@ from rl.agent.executor import ThreadExecutor
 from rl.agent.oracle import OraclePolicy
 from rl.eval import harness, report, stats
 from rl.tasks.schema import parse_task
+from tests.helpers import failing_session
 
 
 @pytest.mark.parametrize("k, n", [(0, 10), (3, 10), (10, 10), (1, 1), (57, 200)])
@@ -107,17 +108,7 @@ class _Down(OraclePolicy):
     inner = super().session(task, first, tools, tier, sampling)
     if task.id not in self.down:
       return inner
-
-    class Failing:
-      token_level = False
-
-      def __getattr__(self, name):
-        return getattr(inner, name)
-
-      async def complete(self, messages, turn):
-        raise ConnectionError("connection refused")
-
-    return Failing()
+    return failing_session(inner)
 
 
 def test_unplayed_episodes_are_replayed_on_resume_and_not_scored(tmp_path):

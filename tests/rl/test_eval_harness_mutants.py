@@ -11,6 +11,7 @@ from rl.agent.executor import ThreadExecutor
 from rl.agent.oracle import OraclePolicy
 from rl.eval import harness
 from rl.tasks.schema import parse_task
+from tests.helpers import failing_session
 
 
 def _tasks(n, **extra):
@@ -85,17 +86,7 @@ class _Watcher(OraclePolicy):
     inner = super().session(task, first, tools, tier, sampling)
     if task.id not in self.down:
       return inner
-
-    class Failing:  # as a server that is down
-      token_level = False
-
-      def __getattr__(self, name):
-        return getattr(inner, name)
-
-      async def complete(self, messages, turn):
-        raise ConnectionError("connection refused")
-
-    return Failing()
+    return failing_session(inner)
 
 
 def test_each_record_is_on_disk_before_the_next_episode_starts(tmp_path, executor):

@@ -15,6 +15,7 @@ from configs import sft
 from rl.agent.oracle import OraclePolicy
 from rl.eval import run
 from rl.tasks.schema import parse_task
+from tests.helpers import failing_session
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,17 +36,7 @@ class _Oracle(OraclePolicy):
     inner = super().session(task, first, tools, tier, sampling)
     if task.id not in self.down:
       return inner
-
-    class Failing:
-      token_level = False
-
-      def __getattr__(self, name):
-        return getattr(inner, name)
-
-      async def complete(self, messages, turn):
-        raise ConnectionError("connection refused")
-
-    return Failing()
+    return failing_session(inner)
 
 
 def _evaluate(monkeypatch, out, policy, **kw):
