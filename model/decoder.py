@@ -109,14 +109,17 @@ class Horizon(nnx.Module):
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
       raise ValueError(f"{name}: expected int [batch, seq], got {tokens.dtype}{list(tokens.shape)}.")
 
-  def _check_placeholders(self, tokens, n_patches: int, given: str):
-    """ValueError where a row of concrete tokens has more image placeholders than n_patches (the
-    merge would repeat the last patch); traced tokens, under jit, are not checked."""
-    if not isinstance(tokens, jax.core.Tracer):
-      n_ph = int(np.max(np.sum(np.asarray(tokens) == self.cfg.image_token_id, axis=1), initial=0))
-      if n_ph > n_patches:
-        raise ValueError(f"a row has {n_ph} image placeholder tokens but only {n_patches} image "
-                         f"patches were given ({given}).")
+  def _check_placeholders(self, tokens, n_patches: int, given: str) -> np.ndarray | None:
+    """Each row's image placeholder count; ValueError where a row of concrete tokens has more than
+    n_patches (the merge would repeat the last patch). None for traced tokens (under jit): unchecked."""
+    if isinstance(tokens, jax.core.Tracer):
+      return None
+    counts = np.sum(np.asarray(tokens) == self.cfg.image_token_id, axis=1)
+    n_ph = int(np.max(counts, initial=0))
+    if n_ph > n_patches:
+      raise ValueError(f"a row has {n_ph} image placeholder tokens but only {n_patches} image "
+                       f"patches were given ({given}).")
+    return counts
 
   def encode_images(self, images: jax.Array) -> jax.Array:
     """Vision encoder + projector: images [n, H, W, C] in [0, 1] -> [n, num_patches, d_model].
@@ -159,13 +162,12 @@ class Horizon(nnx.Module):
                        f"got {list(images.shape)}.")
     b, m = images.shape[:2]
     n_patches = m * self.cfg.vision.num_patches
-    self._check_placeholders(tokens, n_patches, f"{m} images x {self.cfg.vision.num_patches} patches")
-    if not isinstance(tokens, jax.core.Tracer):  # checkable only on concrete tokens
-      counts = np.sum(np.asarray(tokens) == self.cfg.image_token_id, axis=1)
-      if np.any(counts % self.cfg.vision.num_patches):
-        raise ValueError(f"rows have {counts.tolist()} image placeholder tokens; each image takes "
-                         f"exactly {self.cfg.vision.num_patches} (a part of an image would take "
-                         "the first patches of the next image's slot).")
+    per_image = self.cfg.vision.num_patches
+    counts = self._check_placeholders(tokens, n_patches, f"{m} images x {per_image} patches")
+    if counts is not None and np.any(counts % per_image):  # concrete tokens only
+      raise ValueError(f"rows have {counts.tolist()} image placeholder tokens; each image takes "
+                       f"exactly {self.cfg.vision.num_patches} (a part of an image would take "
+                       "the first patches of the next image's slot).")
     emb = self.vision(images.reshape((b * m,) + images.shape[2:]))
     emb = emb.reshape(b, n_patches, emb.shape[2])
     return merge_image_embeddings(x, tokens, emb, self.cfg.image_token_id)
