@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from typing import Callable, Sequence
 
 import jax
@@ -55,8 +56,50 @@ def param(rngs: nnx.Rngs, shape: Sequence[int], axes: Sequence[str | None], dtyp
     value = jnp.zeros(shape, dtype)
   else:
     std = scale if init == "normal" else scale / (fan_in or shape[0]) ** 0.5
-    value = (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    value = _normal(rngs.params(), shape, std, dtype)
   return nnx.Param(value, axes=tuple(axes))
+
+
+# Eager draws of at most this many elements come from a power-of-two bucket (see _normal).
+_BUCKET_MAX_ELEMENTS = 1 << 22
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _flat_normal(key: jax.Array, size: int) -> jax.Array:
+  return jax.random.normal(key, (size,), jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _scaled_prefix(flat: jax.Array, std, shape: tuple[int, ...], dtype) -> jax.Array:
+  return (std * flat[:math.prod(shape)].reshape(shape)).astype(dtype)
+
+
+def _prefix_draws(key: jax.Array) -> bool:
+  """Whether normal(key, shape) is the first prod(shape) draws of normal(key, (n,)), n larger.
+
+  True for threefry keys with jax_threefry_partitionable (JAX's default since 0.5): element i's
+  bits are threefry(key, i) for the row-major index i, whatever the shape.
+  """
+  if not jax.config.jax_threefry_partitionable:
+    return False
+  if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+    return str(jax.random.key_impl(key)) == "threefry2x32"
+  return jax.config.jax_default_prng_impl == "threefry2x32"
+
+
+def _normal(key: jax.Array, shape: tuple[int, ...], std: float, dtype) -> jax.Array:
+  """(std * normal(key, shape, f32)).astype(dtype), bit for bit.
+
+  Built eagerly (no trace), a model would compile jax.random.normal once per distinct parameter
+  shape, ~0.15 s each on XLA:CPU (86 shapes, ~14 s, for `tiny` at 6 layers). Eager draws
+  up to _BUCKET_MAX_ELEMENTS instead come from a flat draw of the next power-of-two size, sliced:
+  the same values (_prefix_draws) from one compile per size bucket. Traced draws (jitted or
+  abstract init) and large ones draw the shape directly.
+  """
+  n = math.prod(shape)
+  if isinstance(key, jax.core.Tracer) or n > _BUCKET_MAX_ELEMENTS or not _prefix_draws(key):
+    return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+  return _scaled_prefix(_flat_normal(key, 1 << max(0, (n - 1).bit_length())), std, shape, jnp.dtype(dtype))
 
 
 # Name scope of the maths that runs in f32 by design whatever the compute dtype (the delta rule's
