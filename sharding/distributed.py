@@ -51,7 +51,11 @@ def settings(coordinator_address: str | None = None, num_processes: int | None =
   env = os.environ if env is None else env
   local = local_device_ids or env.get("JAX_LOCAL_DEVICE_IDS")
   if isinstance(local, str):
-    local = [int(i) for i in local.split(",")]
+    try:
+      local = [int(i) for i in local.split(",")]
+    except ValueError:
+      raise ValueError(f"local device ids {local!r} (--local_device_ids or JAX_LOCAL_DEVICE_IDS) must be a "
+                       "comma list of integers, e.g. '0,1'.") from None
   return {
       "coordinator_address": coordinator_address or env.get("JAX_COORDINATOR_ADDRESS"),
       "num_processes": num_processes if num_processes is not None else _env_int(env, "JAX_NUM_PROCESSES"),

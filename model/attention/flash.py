@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -165,10 +166,13 @@ def flash_mqa_attention(q_lat: jax.Array, q_rope: jax.Array, latent: jax.Array, 
   b, t, _, s = check_mqa_args("flash_mqa_attention", q_lat, q_rope, latent, k_rope)
   need(s == t, f"flash_mqa_attention: causal self-attention needs as many keys as queries, got "
        f"latent with {s} keys for {t} queries.")
+  need(t > 0, f"flash_mqa_attention: t={t}: needs at least one query.")
   for name, val in (("query_block", query_block), ("key_block", key_block)):
-    need(isinstance(val, int) and val > 0, f"flash_mqa_attention: {name}={val!r} must be a positive int.")
+    # numbers.Integral takes numpy ints too; bool is an int subclass, not a block size.
+    need(isinstance(val, numbers.Integral) and not isinstance(val, bool) and val > 0,
+         f"flash_mqa_attention: {name}={val!r} must be a positive int.")
   dtype, c = q_lat.dtype, q_lat.shape[3]
-  plan = _Plan(t, min(query_block, t), min(key_block, t), c, float(scale))
+  plan = _Plan(t, min(int(query_block), t), min(int(key_block), t), c, float(scale))
   sp = _cdiv(t, plan.kb) * plan.kb
   q = pad_axis1(jnp.concatenate([q_lat, q_rope.astype(dtype)], axis=-1), plan.tp, 0)
   kv = pad_axis1(jnp.concatenate([latent.astype(dtype), k_rope.astype(dtype)], axis=-1), sp, 0)
