@@ -105,9 +105,22 @@ class Horizon(nnx.Module):
     self.vision = VisionEncoder(cfg, rngs=rngs) if cfg.vision.enabled else None
 
   # ---- inputs ----------------------------------------------------------------
-  def _check_tokens(self, tokens, name="tokens"):
+  def _check_tokens(self, tokens, lengths=None):
+    """int [batch, seq]. Concrete ids (not under jit) must lie in [0, vocab_size), the embedding
+    gather would otherwise clamp or fill them silently; with concrete `lengths` (prefill), only
+    each row's first lengths[i] tokens are real and checked."""
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-      raise ValueError(f"{name}: expected int [batch, seq], got {tokens.dtype}{list(tokens.shape)}.")
+      raise ValueError(f"tokens: expected int [batch, seq], got {tokens.dtype}{list(tokens.shape)}.")
+    if lengths is not None and lengths.shape != tokens.shape[:1]:
+      raise ValueError(f"lengths: expected shape {tokens.shape[:1]}, got {lengths.shape}.")
+    if isinstance(tokens, jax.core.Tracer) or isinstance(lengths, jax.core.Tracer):
+      return
+    ids = np.asarray(tokens)
+    if lengths is not None:
+      ids = ids[np.arange(ids.shape[1])[None, :] < np.asarray(lengths).reshape(-1, 1)]
+    bad = ids[(ids < 0) | (ids >= self.cfg.vocab_size)]
+    if bad.size:
+      raise ValueError(f"tokens: ids must lie in [0, vocab_size={self.cfg.vocab_size}); got {int(bad[0])}.")
 
   def _check_placeholders(self, tokens, n_patches: int, given: str) -> np.ndarray | None:
     """Each row's image placeholder count; ValueError where a row of concrete tokens has more than
@@ -207,17 +220,21 @@ class Horizon(nnx.Module):
     if segment_ids is None:
       segment_ids = jnp.ones((b, t), jnp.int32)
     for name, a in (("positions", positions), ("segment_ids", segment_ids)):
-      if a.shape != (b, t):
-        raise ValueError(f"{name}: expected shape {(b, t)} like tokens, got {a.shape}.")
-    x = constrain(self.embed_inputs(tokens, images), _ACT)
-    fwd = maybe_remat(_block_forward, self.cfg.remat)
+      if a.shape != (b, t) or not jnp.issubdtype(a.dtype, jnp.integer):
+        raise ValueError(f"{name}: expected int {(b, t)} like tokens, got {a.dtype}{list(a.shape)}.")
     n_moe = sum(kind == "moe" for kind in self.cfg.ffn_kinds)
+    if routing is None and routing_mask is not None:
+      raise ValueError("routing_mask was given without routing: pass the recorded expert ids as "
+                       "routing too (replay), or neither.")
     if routing is not None:
       want = (b, t, n_moe, self.cfg.experts_per_token)
-      if routing.shape != want or routing_mask is None or routing_mask.shape != (b, t):
-        raise ValueError(f"routing: expected ids {want} (batch, tokens, MoE layers, experts_per_token) "
-                         f"and routing_mask [{b}, {t}]; got {routing.shape} and "
+      if (routing.shape != want or not jnp.issubdtype(routing.dtype, jnp.integer) or routing_mask is None
+          or routing_mask.shape != (b, t)):
+        raise ValueError(f"routing: expected int ids {want} (batch, tokens, MoE layers, experts_per_token) "
+                         f"and routing_mask [{b}, {t}]; got {routing.dtype}{list(routing.shape)} and "
                          f"{None if routing_mask is None else routing_mask.shape}.")
+    x = constrain(self.embed_inputs(tokens, images), _ACT)
+    fwd = maybe_remat(_block_forward, self.cfg.remat)
     replays, j = [], 0
     for block in self.blocks:
       replay = None
@@ -251,9 +268,7 @@ class Horizon(nnx.Module):
     num_moe_layers, k] (None for a model without MoE layers), as RL's routing
     replay records them.
     """
-    self._check_tokens(tokens)
-    if lengths.shape != tokens.shape[:1]:
-      raise ValueError(f"lengths: expected shape {tokens.shape[:1]}, got {lengths.shape}.")
+    self._check_tokens(tokens, lengths)
     valid = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
     x = self.embed_inputs(tokens, images, image_embeds)
     new_cache, routed = [], []

@@ -228,6 +228,31 @@ def test_bad_token_shapes(model):
     fwd(model, jnp.zeros((2, 5), jnp.int32), None, jnp.ones((2, 4), jnp.int32))
 
 
+def test_bad_ids_dtypes_and_replay_arguments_are_named(model, tiny_cfg):
+  """Called eagerly, ids outside [0, vocab) are refused before the embedding gather clamps them (in
+  prefill only each row's real tokens count); float positions / segment ids / routing and a
+  routing_mask without routing are refused under jit too."""
+  v, n_moe, k = tiny_cfg.vocab_size, tiny_cfg.ffn_kinds.count("moe"), tiny_cfg.experts_per_token
+  ok = jnp.asarray([[0, v - 1, 3]], jnp.int32)
+  for bad, shown in (([[0, v, 3]], v), ([[2, -1, 5]], -1)):
+    with pytest.raises(ValueError, match=rf"tokens: ids must lie in \[0, vocab_size={v}\); got {shown}\."):
+      model(jnp.asarray(bad, jnp.int32))
+  with pytest.raises(ValueError, match=rf"got {v}\."):
+    model.prefill(jnp.asarray([[1, 2, 0], [4, v, -1]], jnp.int32), jnp.asarray([3, 2]), None)
+  model._check_tokens(ok)
+  model._check_tokens(jnp.asarray([[1, 2, -1], [v - 1, 2 * v, 7]], jnp.int32), jnp.asarray([2, 1]))  # padding
+  with pytest.raises(ValueError, match="lengths: expected shape"):
+    model.prefill(ok, jnp.asarray([3, 3]), None)
+  f32 = jnp.zeros((1, 3), jnp.float32)
+  for pos, seg, name in ((f32, None, "positions"), (None, f32, "segment_ids")):
+    with pytest.raises(ValueError, match=rf"{name}: expected int \(1, 3\) like tokens, got float32\[1, 3\]"):
+      fwd(model, ok, pos, seg)
+  with pytest.raises(ValueError, match="routing_mask was given without routing"):
+    model(ok, routing_mask=jnp.ones((1, 3), bool))
+  with pytest.raises(ValueError, match=r"routing: expected int ids .* got float32"):
+    model(ok, routing=jnp.zeros((1, 3, n_moe, k), jnp.float32), routing_mask=jnp.ones((1, 3), bool))
+
+
 @pytest.mark.slow
 def test_small_prefill_decode_matches_forward_beyond_topk():
   """`small` (f32) past its DSA top-k of 256: chunked prefill + decode == forward."""
