@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -72,13 +73,19 @@ def run_evaluation(
 
   Returns {'rows', 'table', 'json', 'results', 'plot'}.
   """
-  for flag, value, ok in (("--samples", samples, isinstance(samples, int) and samples >= 1),
-                          ("--concurrency", concurrency, isinstance(concurrency, int) and concurrency >= 1),
+  def count(x):
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 1
+
+  for flag, value, ok in (("--samples", samples, count(samples)),
+                          ("--concurrency", concurrency, count(concurrency)),
                           ("--temperature", temperature, temperature is None or (
-                              isinstance(temperature, (int, float)) and 0 <= temperature < math.inf))):
+                              isinstance(temperature, numbers.Real) and not isinstance(temperature, bool)
+                              and 0 <= temperature < math.inf))):
     if not ok:  # a bad temperature was refused per request, and every episode scored 0
       raise ConfigError(f"{flag}={value!r}: must be " + ("a finite number >= 0 (0: greedy)." if flag ==
                                                         "--temperature" else "an int >= 1."))
+  samples, concurrency = int(samples), int(concurrency)
+  temperature = None if temperature is None else float(temperature)
   out = Path(out_dir)
   out.mkdir(parents=True, exist_ok=True)
   results = out / "results.jsonl"

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from configs import sft
@@ -88,7 +89,16 @@ def test_bad_flags_refused_first_and_endpoint_signature_ignores_overrides(tmp_pa
     _evaluate(monkeypatch, tmp_path / "c", _Oracle(), concurrency=0)
   with pytest.raises(ValueError, match=r"--temperature=inf: must be a finite number >= 0"):
     _evaluate(monkeypatch, tmp_path / "t", _Oracle(), temperature=float("inf"))
-  assert not any((tmp_path / d).exists() for d in ("s", "c", "t"))
+  with pytest.raises(ValueError, match=r"--samples=True: must be an int >= 1"):
+    _evaluate(monkeypatch, tmp_path / "b", _Oracle(), samples=True)
+  with pytest.raises(ValueError, match=r"--temperature=False: must be a finite number >= 0"):
+    _evaluate(monkeypatch, tmp_path / "f", _Oracle(), temperature=False)
+  assert not any((tmp_path / d).exists() for d in ("s", "c", "t", "b", "f"))
+  # NumPy counts and temperatures (e.g. from a sweep's np.arange) run, recorded as plain numbers
+  _evaluate(monkeypatch, tmp_path / "n", _Oracle(), samples=np.int64(2), concurrency=np.int32(1),
+            temperature=np.float32(0.5))
+  meta = json.loads((tmp_path / "n" / "run.json").read_text())
+  assert (meta["samples"], meta["temperature"], meta["sampling"]["temperature"]) == (2, 0.5, 0.5)
   # model overrides do not change an endpoint's policy: they are not in its signature
   _evaluate(monkeypatch, tmp_path / "o", _Oracle(), samples=1, model_overrides={"dtype": "float32"})
   signature = json.loads((tmp_path / "o" / "results.jsonl.signature.json").read_text())
