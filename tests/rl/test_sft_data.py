@@ -7,6 +7,7 @@ import json
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from rl.sft import data as sft
 from serving.chat import ChatRenderer
@@ -137,7 +138,9 @@ def test_packed_segments_do_not_see_each_other(tiny_cfg):
   rng = np.random.default_rng(7)
   exs = _examples(rng, [37, 23, 41])
   (row,) = list(sft.pack(exs, seq_len=128))
-  packed, _ = model(
+  forward = nnx.jit(lambda m, *rows: m(*rows))  # one compiled shape for all four calls; eager is slow
+  packed, _ = forward(
+    model,
     jnp.asarray(row["inputs"])[None],
     jnp.asarray(row["positions"])[None],
     jnp.asarray(row["segment_ids"])[None],
@@ -148,8 +151,8 @@ def test_packed_segments_do_not_see_each_other(tiny_cfg):
     ids = np.zeros(width, np.int32)
     ids[:n] = ex.ids
     seg = (np.arange(width) < n).astype(np.int32)
-    alone, _ = model(
-      jnp.asarray(ids)[None], jnp.asarray(np.arange(width) * seg)[None], jnp.asarray(seg)[None]
+    alone, _ = forward(
+      model, jnp.asarray(ids)[None], jnp.asarray(np.arange(width) * seg)[None], jnp.asarray(seg)[None]
     )
     np.testing.assert_allclose(
       np.asarray(packed[0, start : start + n]), np.asarray(alone[0, :n]), rtol=2e-5, atol=2e-5
