@@ -308,7 +308,8 @@ def _open_box(rng: random.Random) -> Instance:
   w, d, h = rng.randint(10, 40), rng.randint(10, 40), rng.randint(6, 25)
   wall = rng.randint(1, 3)
   inner = [w - 2 * wall, d - 2 * wall, h]
-  slot = rng.randint(1, max(1, min(d - 2 * wall, h) // 4))
+  # Within the floor along x as well as y: a hole wider than a narrow tray cut both side walls.
+  slot = rng.randint(1, max(1, min(w - 2 * wall, d - 2 * wall, h) // 4))
   solid = {"difference": [{"box": [w, d, h]}, _at({"box": inner}, 0, 0, wall),
                           _at({"cylinder": [slot, h + 2]}, 0, 0, 0)]}
   return Instance("open_box", {"size": (w, d, h), "wall": wall, "hole": slot}, solid,
@@ -373,7 +374,7 @@ def draw(split: str, difficulty: int, seed: int, index: int) -> Instance:
 
 def generate(*, split: str, difficulty: int, n: int, seed: int = 0) -> list[Task]:
   """`n` CAD tasks; deterministic in (split, difficulty, seed)."""
-  common.check_args(DOMAIN, split, difficulty, MAX_DIFFICULTY)
+  common.check_args(DOMAIN, split, difficulty, MAX_DIFFICULTY, seed)
   tasks = []
   for i in range(n):
     inst = draw(split, difficulty, seed, i)
