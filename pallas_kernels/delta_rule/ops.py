@@ -231,6 +231,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, reset=None, chu
                      "(TPU tiling, Triton tl.dot); use interpret=True for other sizes.")
   b, t, h, kd = q.shape
   vd = v.shape[-1]
+  if 0 in (b, h, kd, vd):  # nothing to compute, and the kernels' grids and tiles need every axis
+    return jnp.zeros((b, t, h, vd), v.dtype), initial_or_zeros(initial_state, b, h, kd, vd, jnp.float32)
   tb = _time_block(block, interp, max(1, math.ceil(t / c)), c)
   tp = max(1, math.ceil(t / tb)) * tb
   n = tp // c

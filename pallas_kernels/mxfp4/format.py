@@ -59,8 +59,10 @@ Special blocks (documented choices where the spec leaves freedom):
 
 Decoding (`dequantize`, `decode_e2m1_scaled`) builds the f32 bit pattern of
 P_i * X with integer ops, so it is exact on every backend (including scale
-bytes whose products are f32 subnormals); P * X beyond f32's range (byte 254
-with |P| >= 2) decodes to +-inf.
+bytes whose products are f32 subnormals); P * X beyond f32's range (>= 2^128:
+byte 254 with |P| >= 2, byte 253 with |P| >= 4) decodes to +-inf. "ceil" can
+write such a block from finite weights: elements >= 1.75 * 2^127 get
+byte 253 and round to 4 X = 2^128; "floor" never does (its X <= 2^125).
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -200,7 +201,7 @@ def mxfp4_ragged_matmul(x: jax.Array, blocks: jax.Array, scales: jax.Array, grou
     raise ValueError(f"mxfp4_ragged_matmul: group_sizes must be an int array of shape ({g},) (one "
                      f"size per weight group); got {group_sizes.dtype}{list(group_sizes.shape)}.")
   out_dtype = preferred_element_type or x.dtype
-  if x.shape[0] == 0 or n == 0:
+  if x.shape[0] == 0 or n == 0 or k32 == 0:  # empty: the kernels' tiles need every axis
     return jnp.zeros((x.shape[0], n), out_dtype)
   call = _make_call(x, n, k32 * BLOCK, g, preferred_element_type, block, interpret, backend)
   return _ragged(call, x, blocks, scales, group_sizes.astype(jnp.int32))
@@ -228,7 +229,7 @@ def mxfp4_matmul(x: jax.Array, blocks: jax.Array, scales: jax.Array, *,
   if x.ndim < 1:
     raise ValueError("mxfp4_matmul: x must have a feature axis [..., K]; got a scalar.")
   _check_x(x, blocks.shape[1] * BLOCK, "mxfp4_matmul")
-  x2 = x.reshape(-1, x.shape[-1])
+  x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # not -1: K may be 0
   y = mxfp4_ragged_matmul(x2, blocks[None], scales[None], jnp.array([x2.shape[0]], jnp.int32),
                           preferred_element_type=preferred_element_type, block=block,
                           interpret=interpret, backend=backend)
