@@ -179,7 +179,7 @@ class Horizon(nnx.Module):
     counts = self._check_placeholders(tokens, n_patches, f"{m} images x {per_image} patches")
     if counts is not None and np.any(counts % per_image):  # concrete tokens only
       raise ValueError(f"rows have {counts.tolist()} image placeholder tokens; each image takes "
-                       f"exactly {self.cfg.vision.num_patches} (a part of an image would take "
+                       f"exactly {per_image} (a part of an image would take "
                        "the first patches of the next image's slot).")
     emb = self.vision(images.reshape((b * m,) + images.shape[2:]))
     emb = emb.reshape(b, n_patches, emb.shape[2])

@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import numbers
 
 import jax
 import jax.numpy as jnp
 
+from model.config import is_int
 from model.layers import einsum_f32
 from pallas_kernels.common import need, pad_axis1
 from pallas_kernels.sparse_attention.reference import check_mqa_args, dense_mqa_attention
@@ -168,9 +168,7 @@ def flash_mqa_attention(q_lat: jax.Array, q_rope: jax.Array, latent: jax.Array, 
        f"latent with {s} keys for {t} queries.")
   need(t > 0, f"flash_mqa_attention: t={t}: needs at least one query.")
   for name, val in (("query_block", query_block), ("key_block", key_block)):
-    # numbers.Integral takes numpy ints too; bool is an int subclass, not a block size.
-    need(isinstance(val, numbers.Integral) and not isinstance(val, bool) and val > 0,
-         f"flash_mqa_attention: {name}={val!r} must be a positive int.")
+    need(is_int(val, numpy=True) and val > 0, f"flash_mqa_attention: {name}={val!r} must be a positive int.")
   dtype, c = q_lat.dtype, q_lat.shape[3]
   plan = _Plan(t, min(int(query_block), t), min(int(key_block), t), c, float(scale))
   sp = _cdiv(t, plan.kb) * plan.kb

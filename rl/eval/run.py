@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from model.config import ConfigError
+from model.config import ConfigError, is_int
 from rl.agent.episode import unplayed
 from rl.agent.executor import make_executor
 from rl.agent.http import make_http_policy, served_model
@@ -73,11 +73,9 @@ def run_evaluation(
 
   Returns {'rows', 'table', 'json', 'results', 'plot'}.
   """
-  def count(x):
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 1
-
-  for flag, value, ok in (("--samples", samples, count(samples)),
-                          ("--concurrency", concurrency, count(concurrency)),
+  for flag, value, ok in (("--samples", samples, is_int(samples, numpy=True) and samples >= 1),
+                          ("--concurrency", concurrency,
+                           is_int(concurrency, numpy=True) and concurrency >= 1),
                           ("--temperature", temperature, temperature is None or (
                               isinstance(temperature, numbers.Real) and not isinstance(temperature, bool)
                               and 0 <= temperature < math.inf))):
