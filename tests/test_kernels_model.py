@@ -25,15 +25,23 @@ def _loss_and_grads(model, tokens):
 
 
 @pytest.fixture(scope="module")
-def tokens(tiny_cfg):
+def two_layers(tiny_cfg):
+  """Layer 0 is DSA (dense FFN), layer 1 delta (MoE): every layer kind with a Pallas kernel, once."""
+  cfg = tiny_cfg.replace(num_layers=2)
+  assert (cfg.layer_kinds, cfg.ffn_kinds) == (("dsa", "delta"), ("dense", "moe"))
+  return cfg
+
+
+@pytest.fixture(scope="module")
+def tokens(two_layers):
   # 37 tokens: not a multiple of the DSA query/key blocks or the delta chunk.
-  return jax.random.randint(jax.random.key(11), (2, 37), 0, tiny_cfg.vocab_size - 1)
+  return jax.random.randint(jax.random.key(11), (2, 37), 0, two_layers.vocab_size - 1)
 
 
-def test_pallas_loss_and_gradients_equal_xla(tiny_cfg, tokens):
-  assert not tiny_cfg.use_pallas  # CPU default: the XLA paths
-  xla = build_model(dataclasses.replace(tiny_cfg, kernels="xla"), seed=2)
-  pallas = build_model(dataclasses.replace(tiny_cfg, kernels="pallas"), seed=2)
+def test_pallas_loss_and_gradients_equal_xla(two_layers, tokens):
+  assert not two_layers.use_pallas  # CPU default: the XLA paths
+  xla = build_model(dataclasses.replace(two_layers, kernels="xla"), seed=2)
+  pallas = build_model(dataclasses.replace(two_layers, kernels="pallas"), seed=2)
   assert pallas.cfg.use_pallas
   lx, gx = _loss_and_grads(xla, tokens)
   lp, gp = _loss_and_grads(pallas, tokens)
@@ -45,9 +53,9 @@ def test_pallas_loss_and_gradients_equal_xla(tiny_cfg, tokens):
   assert sum(float(jnp.sum(jnp.abs(g.get_value()))) > 0 for _, g in fp) > len(fp) // 2
 
 
-def test_pallas_prefill_and_decode_equal_xla(tiny_cfg, tokens):
-  xla = build_model(dataclasses.replace(tiny_cfg, kernels="xla"), seed=2)
-  pallas = build_model(dataclasses.replace(tiny_cfg, kernels="pallas"), seed=2)
+def test_pallas_prefill_and_decode_equal_xla(two_layers, tokens):
+  xla = build_model(dataclasses.replace(two_layers, kernels="xla"), seed=2)
+  pallas = build_model(dataclasses.replace(two_layers, kernels="pallas"), seed=2)
 
   @nnx.jit
   def run(m, tok):

@@ -123,14 +123,15 @@ def test_grouped_mask_sees_leaf_shapes():
 
 
 def test_train_step_on_a_repeating_stack_matches_the_plain_optimizer():
-  """tiny with 6 layers (layers of a kind share groups): one jitted step with leaf groups
+  """tiny with 3 layers (DSA+dense, delta+MoE, DSA+MoE: the two DSA layers' attention leaves and
+  every layer's norms share groups): one jitted step with leaf groups
   (config.train.group_max_elements) gives the weights, moments and per-leaf checks of the step
   without (0).
   Not bitwise: the two programs differ, and XLA fuses some gradient reductions differently when
   their result feeds a stack (measured: the delta layers' conv_w gradients, ~1e-7 relative);
   given the same gradients the optimizer is bitwise (test_grouped_adamw_equals_plain_adamw)."""
   c = horizon.get_config("tiny")
-  cfg = ModelConfig.from_config(c.model).replace(num_layers=6)
+  cfg = ModelConfig.from_config(c.model).replace(num_layers=3)
   tc = dataclasses.replace(ts.TrainConfig.from_config(c.train), grad_clip=1e6)  # no clipping
   assert tc.group_max_elements > 0  # the default
   rows = {k: jnp.asarray(v) for k, v in byte_corpus.lm_rows(
@@ -215,19 +216,22 @@ def test_grouped_apply_is_apply_updates_of_the_grouped_optimizer(max_elements):
 
 def test_apply_update_is_the_optimizers_update(monkeypatch):
   """train_step.apply_update leaves the weights, moments and step count of nnx's
-  `optimizer.update(model, grads)` bit for bit (tiny, 6 layers, two updates on the same gradients),
-  and the weights did move; under nnx.jit it does take the grouped path (not nnx's fallback)."""
+  `optimizer.update(model, grads)` bit for bit (tiny, 3 layers, two updates on the same random
+  gradients, a few leaves' zero), and the weights did move; under nnx.jit it does take the grouped
+  path (not nnx's fallback)."""
   traced = []
   grouped_apply = lg.grouped_apply
   monkeypatch.setattr(lg, "grouped_apply", lambda *a: traced.append(1) or grouped_apply(*a))
   c = horizon.get_config("tiny")
   tc = ts.TrainConfig.from_config(c.train)
   assert tc.group_max_elements > 0
-  cfg = ModelConfig.from_config(c.model).replace(num_layers=6)
-  rows = {k: jnp.asarray(v) for k, v in byte_corpus.lm_rows(
-      byte_corpus.load_stdlib_bytes(), 0, 0, np.arange(2), 16).items()}
+  cfg = ModelConfig.from_config(c.model).replace(num_layers=3)
   before = Horizon(cfg, rngs=nnx.Rngs(0))
-  grads = nnx.jit(nnx.grad(lambda m: ts.loss_fn(m, rows, tc)[0]))(before)  # eager: 3x the time
+  params = nnx.state(before, nnx.Param)
+  rng = np.random.default_rng(5)  # NumPy draws: a jax.random draw per leaf shape compiles (~7 s)
+  # Random gradients of every leaf's shape, the odd leaf exactly zero (as a router bias's is).
+  grads = jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape) * (p.size % 7 != 3), p.dtype),
+                       params)
   results = []
   for ours in (True, False):
     model = Horizon(cfg, rngs=nnx.Rngs(0))
@@ -248,6 +252,6 @@ def test_apply_update_is_the_optimizers_update(monkeypatch):
                               jax.tree.leaves(nnx.state(before)), strict=True):
     np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
     moved += not np.array_equal(a, b0)
-  assert moved > 100
+  assert moved >= sum(bool(np.any(g)) for g in jax.tree.leaves(grads)) > 70
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(o_ours), jax.tree.leaves(o_nnx), strict=True):
     np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
