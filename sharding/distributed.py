@@ -68,16 +68,22 @@ def initialize(mode: str = "auto", **flags) -> bool:
   """Initialises jax.distributed per `mode` and `settings(**flags)`; returns whether it did.
 
   Raises:
-    ValueError: an unknown mode, or a multi-process run missing its coordinator, process
-      count or process id, or a process id outside [0, num_processes).
+    ValueError: an unknown mode, a process count below 1, a non-zero process id without a
+      multi-process run ('auto'), or a multi-process run missing its coordinator, process count or
+      process id, or a process id outside [0, num_processes).
   """
   if mode not in MODES:
     raise ValueError(f"--distributed={mode!r}: choose one of {MODES}.")
   s = settings(**flags)
+  if s["num_processes"] is not None and s["num_processes"] < 1:
+    raise ValueError(f"--num_processes={s['num_processes']} (or JAX_NUM_PROCESSES) must be at least 1.")
   if mode == "off":
     return False
   multi = s["coordinator_address"] is not None or (s["num_processes"] or 1) > 1
   if mode == "auto" and not multi:
+    if s["process_id"] not in (None, 0):
+      raise ValueError(f"--process_id={s['process_id']} (or JAX_PROCESS_ID) without a multi-process run: "
+                       "give --coordinator_address and --num_processes too, or drop it.")
     return False
   if multi:
     missing = [k for k in ("coordinator_address", "num_processes", "process_id") if s[k] is None]

@@ -53,6 +53,22 @@ def test_auto_stays_single_for_one_process_and_off_never_starts(started):
   assert started == []
 
 
+def test_no_processes_or_a_lone_process_id_is_refused(started):
+  """A process count below 1 is refused in every mode (it ran as one process); a non-zero process
+  id with no multi-process run is refused in 'auto' (it was ignored: a launch missing its
+  coordinator ran as process 0 of 1). Process id 0 alone is the single-process run."""
+  for mode in distributed.MODES:
+    with pytest.raises(ValueError, match=r"--num_processes=0 \(or JAX_NUM_PROCESSES\) must be at least 1"):
+      distributed.initialize(mode, num_processes=0, env={})
+  with pytest.raises(ValueError, match="--num_processes=-2"):
+    distributed.initialize("auto", env={"JAX_NUM_PROCESSES": "-2"})
+  for kw in ({"process_id": 1}, {"env": {"JAX_PROCESS_ID": "3"}}, {"process_id": 1, "num_processes": 1}):
+    with pytest.raises(ValueError, match=r"--process_id=\d \(or JAX_PROCESS_ID\) without a multi-process"):
+      distributed.initialize("auto", **{"env": {}, **kw})
+  assert distributed.initialize("auto", process_id=0, env={}) is False
+  assert started == []
+
+
 def test_a_coordinator_alone_means_many_processes(started):
   """A coordinator makes the run multi-process even without a count: the missing ones are named."""
   with pytest.raises(ValueError, match=r"missing \['num_processes', 'process_id'\]"):
