@@ -79,6 +79,22 @@ def model_overrides(flag: str = "config", flag_values: flags.FlagValues = flags.
   return {k[len("model."):]: v for k, v in values.items() if k.startswith("model.")}
 
 
+def apply_init_checkpoint(config, init_checkpoint: str | None, flag: str = "config",
+                          flag_values: flags.FlagValues = flags.FLAGS) -> None:
+  """`--init_checkpoint=PATH` into config.checkpoint.init_from (over the config file's value). Given
+  together with a different `--config.checkpoint.init_from` on the same command line, it is refused
+  naming both instead of one of them winning silently."""
+  if not init_checkpoint:
+    return
+  given = config_flags.get_override_values(flag_values[flag]).get("checkpoint.init_from")
+  if given is not None and given != init_checkpoint:
+    from model.config import ConfigError
+    raise ConfigError(f"--init_checkpoint={init_checkpoint!r} and --config.checkpoint.init_from={given!r} "
+                      "name different starting weights; give one of them.")
+  with config.unlocked():
+    config.checkpoint.init_from = init_checkpoint
+
+
 def define_distributed_flags():
   """Defines --coordinator_address, --num_processes, --process_id, --local_device_ids and
   --distributed (one process, or many: sharding/distributed.py); returns a function that

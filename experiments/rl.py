@@ -27,7 +27,13 @@ import jax
 from absl import flags
 from ml_collections import config_flags
 
-from experiments.config_util import define_config_flag, define_distributed_flags, log_to_workdir, run_app
+from experiments.config_util import (
+  apply_init_checkpoint,
+  define_config_flag,
+  define_distributed_flags,
+  log_to_workdir,
+  run_app,
+)
 from rl.train.checks import check_rl_overrides
 from rl.train.trainer import run
 
@@ -42,9 +48,7 @@ def main(argv):
   del argv
   config = _CONFIG.value
   check_rl_overrides(config_flags.get_override_values(flags.FLAGS["config"]))
-  if _INIT.value:
-    with config.unlocked():
-      config.checkpoint.init_from = _INIT.value
+  apply_init_checkpoint(config, _INIT.value)
   _INIT_DISTRIBUTED()
   log_to_workdir(_WORKDIR.value, "rl" if jax.process_count() == 1 else f"rl.p{jax.process_index()}")
   summary = run(config, _WORKDIR.value)

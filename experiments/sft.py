@@ -16,7 +16,7 @@ import json
 
 from absl import flags
 
-from experiments.config_util import define_config_flag, log_to_workdir, run_app
+from experiments.config_util import apply_init_checkpoint, define_config_flag, log_to_workdir, run_app
 from rl.sft.train import run_sft
 
 _CONFIG = define_config_flag()
@@ -28,8 +28,7 @@ _INIT = flags.DEFINE_string("init_checkpoint", None, "Start from these weights (
 def main(argv):
   del argv
   config = _CONFIG.value
-  if _INIT.value:
-    config.checkpoint.init_from = _INIT.value
+  apply_init_checkpoint(config, _INIT.value)
   log_to_workdir(_WORKDIR.value, "sft")
   summary = run_sft(config, _WORKDIR.value)
   print(json.dumps(summary), flush=True)

@@ -19,9 +19,13 @@ run_app(launcher.main)
 """
 
 
-def _launch(tmp_path, *flags):
+def _run(tmp_path, *flags):
   cmd = [sys.executable, "-c", _DRIVER, "--config=configs/sft.py:tiny", f"--workdir={tmp_path / 'w'}", *flags]
-  run = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(1), capture_output=True, text=True, timeout=300)
+  return subprocess.run(cmd, cwd=ROOT, env=subprocess_env(1), capture_output=True, text=True, timeout=300)
+
+
+def _launch(tmp_path, *flags):
+  run = _run(tmp_path, *flags)
   assert run.returncode == 0, run.stderr[-2000:]
   return json.loads(run.stdout.strip().splitlines()[-1])
 
@@ -30,3 +34,14 @@ def test_init_checkpoint_sets_init_from(tmp_path):
   """Catches --init_checkpoint dropped (the run trained from random weights, its summary the last line)."""
   assert _launch(tmp_path, "--init_checkpoint=/pre/checkpoints") == {"init_from": "/pre/checkpoints",
                                                                      "workdir": str(tmp_path / "w")}
+
+
+def test_init_checkpoint_and_a_different_config_init_from_are_refused(tmp_path):
+  """Both on one command line: refused naming both (--init_checkpoint won silently); the same path
+  twice is one request."""
+  run = _run(tmp_path, "--init_checkpoint=/a", "--config.checkpoint.init_from=/b")
+  assert run.returncode == 1 and run.stdout == "", run.stderr[-2000:]
+  assert run.stderr.strip().splitlines()[0] == (
+      "FATAL ConfigError: --init_checkpoint='/a' and --config.checkpoint.init_from='/b' name different "
+      "starting weights; give one of them.")
+  assert _launch(tmp_path, "--init_checkpoint=/a", "--config.checkpoint.init_from=/a")["init_from"] == "/a"
