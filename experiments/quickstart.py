@@ -36,10 +36,13 @@ def main(argv):
   r = quickstart.run(_CONFIG.value, _WORKDIR.value, prompt=_PROMPT.value, new_tokens=_NEW.value,
                      temperature=_TEMP.value)
   final, entropy = r["final_loss"], r["unigram_entropy"]
+  n = r["final_loss_steps"]  # a launch that trained nothing (the run had finished) reads metrics.jsonl
+  window = f"the last {n} steps" if r["steps_this_launch"] else f"the {n} logged losses of the last 20 steps"
+  loss = ("no loss of the last 20 steps in metrics.jsonl" if final is None else
+          f"final training loss (mean of {window}) {final:.3f} = {final / entropy:.2f} x unigram, "
+          f"perplexity {math.exp(final):.1f}")
   print(f"\ntrained {r['steps']} steps ({r['steps_this_launch']} in this launch); corpus unigram entropy "
-        f"{entropy:.3f} nats/token; final training loss (mean of the last "
-        f"{min(20, r['steps_this_launch'])} steps) {final:.3f} = {final / entropy:.2f} x unigram, "
-        f"perplexity {math.exp(final):.1f}")
+        f"{entropy:.3f} nats/token; {loss}")
   print(f"prefill + decode vs full forward: max |logit diff| {r['decode_max_logit_diff']:.2e} "
         f"(top-k over every key; with the config's top-k {r['decode_max_logit_diff_sparse']:.2e})")
   print(f"sample (temperature {_TEMP.value}):\n{_PROMPT.value}{r['sample']}\n")

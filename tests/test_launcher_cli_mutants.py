@@ -99,21 +99,29 @@ def rl_run(config, workdir):
 rl.run = rl_run
 launch(rl, "rl_init", ["--config=configs/rl.py:grpo,tiny", f"--workdir={work}/rl", "--init_checkpoint=/sft"])
 launch(rl, "rl_no_init", ["--config=configs/rl.py:grpo,tiny", f"--workdir={work}/rl"])
+launch(rl, "rl_two_inits", ["--config=configs/rl.py:grpo,tiny", f"--workdir={work}/rl",
+                            "--init_checkpoint=/sft", "--config.checkpoint.init_from=/pre"])
 launch(rl, "rl_no_workdir", ["--config=configs/rl.py:grpo,tiny"])
 launch(rl, "rl_p1", ["--config=configs/rl.py:grpo,tiny", f"--workdir={work}/rl"], index=1, count=2)
 said["rl_logs"] = sorted(p.name for p in (Path(work) / "rl" / "logs").glob("*.INFO"))
 forget(before)
 
 from experiments import quickstart
+qs_losses = {"final_loss": 2.0, "final_loss_steps": 7, "steps_this_launch": 7}
 def qs_run(config, workdir, prompt, new_tokens, temperature):
   calls.append(["run", config.model.vocab_size, workdir, prompt, new_tokens, temperature])
-  return {"final_loss": 2.0, "unigram_entropy": 4.0, "steps": 9, "steps_this_launch": 7, "sample": "SAMPLE",
-          "decode_max_logit_diff": 0.0, "decode_max_logit_diff_sparse": 0.0, "workdir": workdir,
-          "checkpoint_dir": "ck", "latest_checkpoint": 9}
+  return {"final_loss": qs_losses["final_loss"], "final_loss_steps": qs_losses["final_loss_steps"],
+          "unigram_entropy": 4.0, "steps": 9, "steps_this_launch": qs_losses["steps_this_launch"],
+          "sample": "SAMPLE", "decode_max_logit_diff": 0.0, "decode_max_logit_diff_sparse": 0.0,
+          "workdir": workdir, "checkpoint_dir": "ck", "latest_checkpoint": 9}
 quickstart.quickstart.run = qs_run
 launch(quickstart, "qs_defaults", ["--config=configs/pretrain.py:tiny", f"--workdir={work}/qs"])
 launch(quickstart, "qs_given", ["--config=configs/pretrain.py:tiny", f"--workdir={work}/qs", "--prompt=x = ",
                                 "--new_tokens=5", "--temperature=0.25"])
+qs_losses.update(final_loss=3.0, final_loss_steps=2, steps_this_launch=0)  # relaunched after the last step
+launch(quickstart, "qs_finished", ["--config=configs/pretrain.py:tiny", f"--workdir={work}/qs"])
+qs_losses.update(final_loss=None, final_loss_steps=0)  # ... and metrics.jsonl holds none of its last steps
+launch(quickstart, "qs_no_losses", ["--config=configs/pretrain.py:tiny", f"--workdir={work}/qs"])
 print("SAID", json.dumps(said))
 """
 
@@ -178,6 +186,9 @@ def test_rl_init_checkpoint_sets_init_from_and_the_summary_drops_history(said):
   assert got["calls"][0][:2] == ["init", "auto"] and got["calls"][1][:2] == ["run", "/sft"], got
   assert got["out"] == ['{"steps": 2, "dir": "/x/y"}']  # a Path printed as its string
   assert said["rl_no_init"]["calls"][1][1] == ""  # configs/rl.py's default, untouched
+  assert said["rl_two_inits"] == {  # refused before anything starts (--init_checkpoint won silently)
+      "error": "ConfigError: --init_checkpoint='/sft' and --config.checkpoint.init_from='/pre' name "
+               "different starting weights; give one of them.", "calls": []}
   refused = said["rl_no_workdir"]
   assert refused["error"].startswith("IllegalFlagValueError: flag --workdir=None") and refused["calls"] == []
 
@@ -189,8 +200,14 @@ def test_quickstart_passes_its_flags_and_prints_the_summary(said):
   assert given["calls"][0][3:] == ["x = ", 5, 0.25], given
   assert given["calls"][0][2].endswith("/qs")
   assert "final training loss (mean of the last 7 steps) 2.000 = 0.50 x unigram" in given["out"][1]
-  assert given["out"][-1] == json.dumps({"final_loss": 2.0, "unigram_entropy": 4.0, "steps": 9,
-                                         "steps_this_launch": 7, "sample": "SAMPLE",
+  assert given["out"][-1] == json.dumps({"final_loss": 2.0, "final_loss_steps": 7, "unigram_entropy": 4.0,
+                                         "steps": 9, "steps_this_launch": 7, "sample": "SAMPLE",
                                          "decode_max_logit_diff": 0.0, "decode_max_logit_diff_sparse": 0.0,
                                          "workdir": given["calls"][0][2], "checkpoint_dir": "ck"})
+  # a relaunch of a finished run: the losses the earlier launches logged, or none (it printed NaN)
+  assert ("trained 9 steps (0 in this launch); corpus unigram entropy 4.000 nats/token; final training loss "
+          "(mean of the 2 logged losses of the last 20 steps) 3.000 = 0.75 x unigram, perplexity 20.1"
+          ) == said["qs_finished"]["out"][1]
+  assert said["qs_no_losses"]["out"][1].endswith("nats/token; no loss of the last 20 steps in metrics.jsonl")
+  assert json.loads(said["qs_no_losses"]["out"][-1])["final_loss"] is None
   assert "sample (temperature 0.25):" in given["out"] and "x = SAMPLE" in given["out"]

@@ -3,6 +3,7 @@
 length, the argument checks' boundaries, the final loss's window and the unigram entropy. The model is
 a stand-in whose next token is (token + 1) mod 7: each case compiles tiny programs only."""
 
+import json
 import math
 
 import jax
@@ -129,3 +130,23 @@ def test_unigram_entropy_of_a_prepared_corpus(tmp_path):
   assert 1 in counts  # a token seen once
   want = -sum(c / len(tokens) * math.log(c / len(tokens)) for c in counts)
   assert quickstart.unigram_entropy(str(tmp_path / "p"), tok.vocab_size) == pytest.approx(want, rel=1e-12)
+
+
+def test_a_relaunch_of_a_finished_run_reports_the_logged_losses(stubbed, monkeypatch, tmp_path):
+  """A launch that trained nothing (the run had finished) took the mean of no losses (NaN); it takes
+  those metrics.jsonl logged for the last 20 steps (every log_every-th; a step a resumed launch logged
+  again counts its last line), or None when there are none."""
+  monkeypatch.setattr(quickstart.loop, "run", lambda config, workdir: {
+      "prepared_dir": "prep", "losses": [], "checkpoint_dir": "ck", "latest_checkpoint": 30,
+      "mean_tokens_per_s": None, "mean_mfu": None})
+  out = _run(pretrain.get_config("tiny"), tmp_path)
+  assert (out["final_loss"], out["final_loss_steps"], out["loss_over_unigram"]) == (None, 0, None)
+  lines = [{"step": 0, "loss": 9.0}, {"step": 10, "loss": 5.0}, {"step": 20, "loss": 4.0},
+           {"step": 29, "loss": 9.0}, {"step": 20, "loss": 3.0}, {"step": 29, "loss": 1.0, "mfu": 0.1},
+           {"step": 9, "loss": 7.0}, {"step": 15}]
+  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines) + "\n")
+  out = _run(pretrain.get_config("tiny"), tmp_path)
+  # steps 10..29: 5.0, then step 20's and step 29's last lines (3.0, 1.0); steps 0 and 9 are earlier
+  assert (out["final_loss"], out["final_loss_steps"], out["loss_over_unigram"]) == (3.0, 3, 1.5)
+  assert out["steps_this_launch"] == 0
+  assert quickstart.logged_losses(str(tmp_path), 0, 30) == [9.0, 7.0, 5.0, 3.0, 1.0]

@@ -11,6 +11,7 @@ best model that ignores context.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from typing import Any
@@ -81,11 +82,26 @@ def decode_gap(model, tokens: list[int], n: int, max_len: int) -> float:
   return float(jnp.max(jnp.abs(full[0, n - 1:] - jnp.stack(decoded))))
 
 
+def logged_losses(workdir: str, first: int, stop: int) -> list[float]:
+  """The losses <workdir>/metrics.jsonl logged for steps first..stop-1 (step numbers 0-based), in step
+  order; a step logged twice (a resumed launch re-ran it) counts its last line."""
+  path = epath.Path(workdir) / "metrics.jsonl"
+  by_step = {}
+  if path.exists():
+    for line in path.read_text().splitlines():
+      record = json.loads(line) if line.strip() else {}
+      if isinstance(record.get("loss"), float) and first <= record.get("step", -1) < stop:
+        by_step[record["step"]] = record["loss"]
+  return [by_step[k] for k in sorted(by_step)]
+
+
 def run(config, workdir: str, *, prompt: str, new_tokens: int, temperature: float) -> dict[str, Any]:
   """Pretrains, reloads, checks decode and samples; returns the numbers the launcher prints.
 
   Returns:
-    final_loss (mean of the last 20 steps' losses), unigram_entropy,
+    final_loss (mean of the last 20 steps' losses; a launch that trained nothing, the run having
+    finished, takes the losses of those steps that metrics.jsonl logged, every
+    config.metrics.log_every-th; None if none), final_loss_steps (how many it averaged), unigram_entropy,
     loss_over_unigram, decode_max_logit_diff (prefill + decode vs the full forward, with top-k
     covering every key), decode_max_logit_diff_sparse (the same with the config's top-k, where
     near-tied indexer scores may select different keys), sample (the decoded text),
@@ -117,8 +133,11 @@ def run(config, workdir: str, *, prompt: str, new_tokens: int, temperature: floa
   t0 = time.perf_counter()
   summary = loop.run(config, workdir)
   entropy = unigram_entropy(summary["prepared_dir"], cfg.vocab_size)
-  losses = summary["losses"]
-  final = float(np.mean(losses[-20:])) if losses else float("nan")  # nan: the run had already finished
+  trained, last = summary["losses"], summary["latest_checkpoint"]
+  losses = trained[-20:]
+  if not losses:  # the run had already finished: the earlier launches logged its last steps' losses
+    losses = logged_losses(workdir, last - 20, last)
+  final = float(np.mean(losses)) if losses else None  # None: no loss of the last 20 steps was logged
   model = load_model(summary["checkpoint_dir"], cfg)
   ids = sample(model, prompt_ids, new_tokens, temperature, config.seed)
   tokens = prompt_ids + ids[:-1]
@@ -130,10 +149,11 @@ def run(config, workdir: str, *, prompt: str, new_tokens: int, temperature: floa
   sparse_gap = decode_gap(model, tokens, len(prompt_ids), max_len)
   exact = cfg.replace(index_topk=max(cfg.index_topk, max_len))
   gap = decode_gap(load_model(summary["checkpoint_dir"], exact), tokens, len(prompt_ids), max_len)
-  return {"final_loss": final, "unigram_entropy": entropy, "loss_over_unigram": final / entropy,
+  return {"final_loss": final, "final_loss_steps": len(losses), "unigram_entropy": entropy,
+          "loss_over_unigram": None if final is None else final / entropy,
           "decode_max_logit_diff": gap, "decode_max_logit_diff_sparse": sparse_gap,
           "sample": tokenizer.decode(ids), "workdir": str(workdir),
           "checkpoint_dir": summary["checkpoint_dir"], "latest_checkpoint": summary["latest_checkpoint"],
-          "steps": summary["latest_checkpoint"], "steps_this_launch": len(losses),
+          "steps": summary["latest_checkpoint"], "steps_this_launch": len(trained),
           "mean_tokens_per_s": summary["mean_tokens_per_s"],
           "mean_mfu": summary["mean_mfu"], "seconds": round(time.perf_counter() - t0, 1)}
