@@ -374,7 +374,7 @@ def draw(split: str, difficulty: int, seed: int, index: int) -> Instance:
 
 def generate(*, split: str, difficulty: int, n: int, seed: int = 0) -> list[Task]:
   """`n` CAD tasks; deterministic in (split, difficulty, seed)."""
-  common.check_args(DOMAIN, split, difficulty, MAX_DIFFICULTY, seed)
+  common.check_args(DOMAIN, split, difficulty, MAX_DIFFICULTY, seed, n)
   tasks = []
   for i in range(n):
     inst = draw(split, difficulty, seed, i)

@@ -382,7 +382,7 @@ def _package_task(rng: random.Random, split: str) -> dict[str, Any]:
 
 def generate(*, split: str, difficulty: int, n: int, seed: int) -> list[Task]:
   """`n` code tasks of `split` at `difficulty`, deterministic in the arguments."""
-  common.check_args(DOMAIN, split, difficulty, MAX_DIFFICULTY, seed)
+  common.check_args(DOMAIN, split, difficulty, MAX_DIFFICULTY, seed, n)
   tasks = []
   for i in range(n):
     rng = common.task_rng(DOMAIN, split, difficulty, seed, i)

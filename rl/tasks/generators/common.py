@@ -24,13 +24,14 @@ def _hash(*parts: Any) -> int:
 SPLITS = ("train", "heldout")
 
 
-def check_args(domain: str, split: str, difficulty: int, max_difficulty: int, seed: int) -> None:
-  """A clear error for a split, level or seed a generator does not take (called by every `generate`).
+def check_args(domain: str, split: str, difficulty: int, max_difficulty: int, seed: int, n: int) -> None:
+  """A clear error for a split, level, seed or count a generator does not take (called by every
+  `generate`).
 
   Without it a level of -1 read the top level's templates (`LEVELS[-1]`) under a `d-1` id, and an
   unknown split never matched `split_of`, so the web and docqa generators redrew forever; a NumPy
   seed reached the tasks' meta and failed in json.dumps when they were written, and a seed of 1.5
-  or "a" made tasks with ids `-s1.5-`.
+  or "a" made tasks with ids `-s1.5-`; a count of -1 returned no tasks and 1.5 a TypeError.
   """
   if split not in SPLITS:
     raise ValueError(f"split must be one of {', '.join(SPLITS)}; got {split!r}")
@@ -40,6 +41,8 @@ def check_args(domain: str, split: str, difficulty: int, max_difficulty: int, se
     raise ValueError(f"difficulty for {domain}: pass a Python int, int(difficulty); got {difficulty!r}")
   if not is_int(seed):
     raise ValueError(f"seed for {domain} must be a Python int (int(seed) for NumPy's); got {seed!r}")
+  if not is_int(n, numpy=True) or n < 0:
+    raise ValueError(f"n (the number of {domain} tasks) must be an integer >= 0; got {n!r}")
 
 
 def task_rng(domain: str, split: str, difficulty: int, seed: int, index: int) -> random.Random:

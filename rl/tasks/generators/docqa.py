@@ -330,7 +330,7 @@ def _one(split: str, difficulty: int, seed: int, index: int) -> Task:
 
 def generate(*, split: str, difficulty: int, n: int, seed: int) -> list[Task]:
   """`n` docqa tasks of `split` at `difficulty` (see the module docstring for the levels)."""
-  common.check_args(DOMAIN, split, difficulty, MAX_DIFFICULTY, seed)
+  common.check_args(DOMAIN, split, difficulty, MAX_DIFFICULTY, seed, n)
   return [_one(split, difficulty, seed, i) for i in range(n)]
 
 

@@ -421,7 +421,7 @@ def generate(*, split: str, difficulty: int, n: int, seed: int = 0,
   Args:
     weights: {reasoning-gym dataset: relative weight}; default `DEFAULT_WEIGHTS`.
   """
-  common.check_args(DOMAIN, split, difficulty, MAX_DIFFICULTY, seed)
+  common.check_args(DOMAIN, split, difficulty, MAX_DIFFICULTY, seed, n)
   mix = level_weights(difficulty, weights)
   tasks = []
   for i in range(n):
