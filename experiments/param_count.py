@@ -16,7 +16,7 @@ _CONFIG = define_config_flag()
 
 def _fmt(n: int) -> str:
   for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-    if n >= div:
+    if round(n / div, 3) >= 1:  # 999,999,999 is 1.000B (it printed as 1000.000M)
       return f"{n / div:.3f}{unit}"
   return str(n)
 

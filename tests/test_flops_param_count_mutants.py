@@ -118,7 +118,9 @@ def test_flops_refuse_a_bad_seq_len(tiny_cfg, seq_len):
 
 def test_param_count_cli_human_units():
   code = ("from experiments.param_count import _fmt; "
-          "print(_fmt(999), _fmt(1000), _fmt(18536), _fmt(10**6), _fmt(104 * 10**9), _fmt(2_800 * 10**9))")
+          "print(_fmt(999), _fmt(1000), _fmt(18536), _fmt(10**6), _fmt(104 * 10**9), _fmt(2_800 * 10**9), "
+          "_fmt(999_499), _fmt(999_500), _fmt(999_999_999))")
   out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
                        timeout=120).stdout
-  assert out.split() == ["999", "1.000K", "18.536K", "1.000M", "104.000B", "2.800T"]
+  assert out.split() == ["999", "1.000K", "18.536K", "1.000M", "104.000B", "2.800T", "999.499K", "1.000M",
+                         "1.000B"]  # the largest unit that rounds to >= 1 (999,999,999 was 1000.000M)
