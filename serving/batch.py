@@ -30,6 +30,7 @@ Shapes: S slots, C prefill chunk, V vocab, d model dim.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Sequence
 
@@ -98,8 +99,14 @@ def chunk_inputs(slot: Slot, chunk: np.ndarray, width: int, cfg, no_images: jax.
   return tokens, jnp.asarray(patches, cfg.jnp_dtype)
 
 
+@functools.lru_cache(maxsize=16)
 def compile_programs(graphdef: nnx.GraphDef) -> dict[str, Callable]:
   """The engine's jitted programs (pure; the model enters as graphdef + state).
+
+  Cached by graphdef (equal for models of one config): engines over such models (a server's engine
+  rebuilt in the same process, a benchmark's engines side by side, a test's) share the jitted
+  functions, hence their traces and compiled executables, which jit keys by the arguments' shapes,
+  dtypes and shardings. Callers copy the dict before changing it.
 
   prefill(state, cache, row, tokens [1, W], length [1], image_embeds [1, W, d]) -> (last logits [V],
   cache, routed [W, layers, k]): one chunk of one row (W: a prefill width); routed: the MoE experts of

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -124,6 +125,7 @@ def image_extra_fn(prompt: np.ndarray, images: np.ndarray | None,
   return extra
 
 
+@functools.lru_cache(maxsize=16)  # shared by the caches of one block size (batch.compile_programs)
 def cache_programs(block: int) -> dict[str, Callable]:
   """Jitted copies between a batch decode state (`Horizon.init_cache`) and blocks.
 
@@ -313,7 +315,7 @@ class Prefixer:
   """
 
   def __init__(self, store: PrefixCache, *, prefill_chunk: int, exact: bool, image_token_id: int):
-    self.store, self.fns = store, cache_programs(store.block)
+    self.store, self.fns = store, dict(cache_programs(store.block))
     self.prefill_chunk, self.exact, self.image_token_id = prefill_chunk, bool(exact), image_token_id
 
   def load(self, cache: Any, i: int, s: Any) -> tuple[Any, int]:

@@ -2,10 +2,10 @@
 first request traces and compiles nothing on the engine's thread (the control, without warm-up,
 compiles and costs more than 3x a steady-state request of the same size).
 
-Each test builds a fresh Engine over the session's model, so its jitted
-programs are new and compile again (the suite's persistent compilation cache
-makes that cheaper, not free). The control runs the same comparison with the
-warm-up off, which must fail it: the comparison can tell a cold server.
+Each test builds a fresh Engine over the session's model. Engines over models of one config share
+their jitted programs (serving/batch.compile_programs), so the control first clears JAX's caches,
+as a new server process starts with nothing compiled; it runs the same comparison with the warm-up
+off, which must fail it: the comparison can tell a cold server.
 """
 
 import copy
@@ -98,7 +98,9 @@ def test_health_waits_for_the_warm_up_then_the_first_request_is_warm(engine, ser
 
 
 def test_without_warm_up_the_first_request_is_cold(engine, serve_config):
-  """The control: the same comparison fails on a server that does not warm up."""
+  """The control: the same comparison fails on a server that does not warm up (its engine's programs,
+  shared with the warm test's, compiled from scratch: a new server process starts with none)."""
+  jax.clear_caches()
   fresh, server = _server(engine, serve_config, warmup=False)
   try:
     assert httpx.get(server.url + "/health").status_code == 200  # ready at once: nothing compiled
