@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def need(cond: bool, msg: str) -> None:
@@ -26,9 +27,26 @@ def pad_axis1(x: jax.Array, size: int, value) -> jax.Array:
   return jnp.pad(x, widths, constant_values=value)
 
 
+def positive_int(x) -> int | None:
+  """x as a Python int when it is a positive integer (Python's or NumPy's, not a bool), else None:
+  the test of every tile size and count argument (True was taken as 1, np.int64(8) refused)."""
+  if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)) or x < 1:
+    return None
+  return int(x)
+
+
+def as_python_ints(obj, *names: str) -> None:
+  """Stores the named int fields of a frozen dataclass as Python ints (NumPy's pass the checks)."""
+  for name in names:
+    value = getattr(obj, name)
+    if isinstance(value, np.integer):
+      object.__setattr__(obj, name, int(value))
+
+
 def is_pow2(x) -> bool:
-  """x is a positive int power of two (a valid Triton tensor size)."""
-  return isinstance(x, int) and x > 0 and x & (x - 1) == 0
+  """x is a positive integer power of two (a valid Triton tensor size)."""
+  v = positive_int(x)
+  return v is not None and v & (v - 1) == 0
 
 
 def round_up(x: int, m: int) -> int:

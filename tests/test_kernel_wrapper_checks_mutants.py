@@ -10,6 +10,7 @@ import pytest
 from pallas_kernels.delta_rule import BlockSizes as DeltaBlocks
 from pallas_kernels.delta_rule import chunk_gated_delta_rule
 from pallas_kernels.indexer_topk import ops as topk_ops
+from pallas_kernels.mxfp4 import ops as mx_ops
 from pallas_kernels.sparse_attention import ops as attn_ops
 
 S = jax.ShapeDtypeStruct
@@ -115,3 +116,39 @@ def test_indexer_topk_needs_a_head():
   fn = lambda *a: topk_ops.blockwise_topk(*a, 4, 4, 8, backend="triton", interpret=True)
   with pytest.raises(ValueError, match="need at least one indexer head"):
     jax.eval_shape(fn, *_topk(h=0))
+
+
+@pytest.mark.parametrize("make, fields", [
+    (DeltaBlocks, ("time_block", "num_warps", "num_stages")),
+    (attn_ops.BlockSizes, ("block_q", "block_k", "block_h")),
+    (topk_ops.BlockSizes, ("block_q", "block_k", "chunk")),
+    (mx_ops.BlockSizes, ("block_m", "block_n", "block_k")),
+], ids=["delta", "sparse_attention", "indexer_topk", "mxfp4"])
+def test_numpy_ints_are_sizes_and_bools_are_not(make, fields):
+  """Every kernel's BlockSizes: NumPy ints (sizes computed with NumPy) were refused by some and are
+  kept as Python ints; True was taken as 1 by some and is refused by all."""
+  sizes = {"time_block": 32, "num_warps": 4, "num_stages": 2, "block_q": 8, "block_k": 64, "block_h": 4,
+           "chunk": 32, "block_m": 16, "block_n": 16}
+  block = make(**{f: np.int64(sizes[f]) for f in fields})
+  assert all(type(getattr(block, f)) is int and getattr(block, f) == sizes[f] for f in fields)
+  assert block == make(**{f: sizes[f] for f in fields})
+  for f in fields:
+    with pytest.raises(ValueError, match=f"BlockSizes.{f}=True"):
+      make(**{f: True})
+
+
+def test_numpy_int_arguments_are_taken_and_bools_refused():
+  """chunk_size, query_block, topk, query_block and key_block of the kernels' entry points."""
+  delta = lambda *a: chunk_gated_delta_rule(*a, chunk_size=np.int32(4), interpret=True)  # noqa: E731
+  o, _ = jax.eval_shape(delta, *_delta())
+  assert o.shape == (1, 6, 2, 2)
+  out, _ = _attend(_mqa(), 0.5, np.int64(4), backend="triton", interpret=True)
+  assert out.shape == (1, 3, 2, 3)
+  with pytest.raises(ValueError, match="query_block=True must be a positive int"):
+    _attend(_mqa(), 0.5, True)
+  topk = lambda *args: (lambda *a: topk_ops.blockwise_topk(*a, *args, backend="triton", interpret=True))
+  idx, _ = jax.eval_shape(topk(np.int64(4), np.int32(4), np.int64(8)), *_topk())
+  assert idx.shape == (1, 5, 4)
+  for args, name in (((True, 4, 8), "topk"), ((4, True, 8), "query_block"), ((4, 4, True), "key_block")):
+    with pytest.raises(ValueError, match=f"{name}=True must be a positive int"):
+      jax.eval_shape(topk(*args), *_topk())

@@ -52,6 +52,8 @@ def test_packing_refuses_scalars_and_signed_or_wide_bytes():
   for packed in (np.array([-16], np.int8), np.array([0x21], np.int32)):
     with pytest.raises(ValueError, match="packed must be uint8"):
       fmt.unpack_e2m1(packed)
+  with pytest.raises(ValueError, match="packed must have at least one axis"):  # an IndexError before
+    fmt.unpack_e2m1(np.uint8(0x21))
 
 
 def test_dequantize_refuses_non_uint8_scales_and_short_block_rows():

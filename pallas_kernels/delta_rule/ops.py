@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.backend import resolve_interpret
-from pallas_kernels.common import next_pow2
+from pallas_kernels.common import as_python_ints, next_pow2, positive_int
 from pallas_kernels.delta_rule import kernel
 from pallas_kernels.delta_rule.reference import check_inputs as check_reference_inputs
 from pallas_kernels.delta_rule.reference import initial_state_or_zeros as initial_or_zeros
@@ -68,15 +68,16 @@ class BlockSizes:
 
   def __post_init__(self):
     tb = self.time_block
-    if tb is not None and (not isinstance(tb, int) or isinstance(tb, bool) or tb < 1):
+    if tb is not None and positive_int(tb) is None:
       raise ValueError(f"BlockSizes.time_block={self.time_block!r} must be a positive int "
                        "(a multiple of chunk_size) or None.")
     if self.pad_head_dims not in (None, True, False):
       raise ValueError(f"BlockSizes.pad_head_dims={self.pad_head_dims!r} must be None, True or False.")
-    if self.num_warps not in (1, 2, 4, 8, 16, 32):
+    if positive_int(self.num_warps) not in (1, 2, 4, 8, 16, 32):
       raise ValueError(f"BlockSizes.num_warps={self.num_warps!r} must be a power of two in [1, 32].")
-    if not isinstance(self.num_stages, int) or self.num_stages < 1:
+    if positive_int(self.num_stages) is None:
       raise ValueError(f"BlockSizes.num_stages={self.num_stages!r} must be a positive int.")
+    as_python_ints(self, "time_block", "num_warps", "num_stages")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,8 +220,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, reset=None, chu
     q, k, v, g, beta and initial_state.
   """
   _check_inputs(q, k, v, g, beta, initial_state, reset)
-  if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+  if positive_int(chunk_size) is None:
     raise ValueError(f"{_FN}: chunk_size={chunk_size!r} must be a positive int.")
+  chunk_size = int(chunk_size)
   block = BlockSizes() if block is None else block
   if not isinstance(block, BlockSizes):
     raise ValueError(f"{_FN}: block={block!r} must be a BlockSizes or None.")

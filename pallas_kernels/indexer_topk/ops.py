@@ -30,10 +30,12 @@ import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.backend import resolve_backend, resolve_interpret
+from pallas_kernels.common import as_python_ints as _as_python_ints
 from pallas_kernels.common import is_pow2 as _pow2
 from pallas_kernels.common import need as _need
 from pallas_kernels.common import next_pow2 as _next_pow2
 from pallas_kernels.common import pad_axis1 as _pad1
+from pallas_kernels.common import positive_int as _positive_int
 from pallas_kernels.common import round_up as _round_up
 from pallas_kernels.indexer_topk import kernel
 from pallas_kernels.indexer_topk.reference import check_topk_args, needed_blocks
@@ -58,9 +60,10 @@ class BlockSizes:
     for name in ("block_q", "chunk"):
       _need(_pow2(getattr(self, name)),
             f"BlockSizes.{name}={getattr(self, name)!r} must be a positive power of two.")
-    _need(self.block_k is None or (isinstance(self.block_k, int) and self.block_k > 0
+    _need(self.block_k is None or (_positive_int(self.block_k) is not None
                                    and self.block_k % self.chunk == 0),
           f"BlockSizes.block_k={self.block_k!r} must be None or a positive multiple of chunk={self.chunk}.")
+    _as_python_ints(self, "block_q", "block_k", "chunk")
 
   @classmethod
   def default(cls, backend: str) -> "BlockSizes":

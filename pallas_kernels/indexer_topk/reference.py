@@ -28,7 +28,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.common import need
+from pallas_kernels.common import need, positive_int
 
 _INT_MAX = jnp.iinfo(jnp.int32).max
 _INT_MIN = jnp.iinfo(jnp.int32).min
@@ -56,7 +56,7 @@ def check_topk_args(q_idx, w_idx, k_idx, q_pos, q_seg, k_pos, k_seg, topk, query
     need(jnp.issubdtype(arr.dtype, jnp.integer),
          f"blockwise_topk: {name} must be an integer array, got {arr.dtype}.")
   for name, val in (("topk", topk), ("query_block", query_block), ("key_block", key_block)):
-    need(isinstance(val, int) and val > 0, f"blockwise_topk: {name}={val!r} must be a positive int.")
+    need(positive_int(val) is not None, f"blockwise_topk: {name}={val!r} must be a positive int.")
 
 
 def allowed_mask(q_pos: jax.Array, q_seg: jax.Array, k_pos: jax.Array, k_seg: jax.Array) -> jax.Array:

@@ -194,6 +194,8 @@ def unpack_e2m1(packed: jax.Array) -> jax.Array:
   packed = jnp.asarray(packed)
   if packed.dtype != jnp.uint8:
     raise ValueError(f"unpack_e2m1: packed must be uint8; got {packed.dtype}.")
+  if packed.ndim == 0:  # an IndexError on shape[-1] before
+    raise ValueError("unpack_e2m1: packed must have at least one axis (bytes [..., B]); got a scalar.")
   lo = packed & 0xF
   hi = packed >> 4
   return jnp.stack([lo, hi], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)

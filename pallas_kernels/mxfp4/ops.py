@@ -32,6 +32,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.common import as_python_ints, positive_int
 from pallas_kernels.mxfp4 import kernel
 from pallas_kernels.mxfp4.format import BLOCK, check_mxfp4
 
@@ -54,8 +55,9 @@ class BlockSizes:
   def __post_init__(self):
     for name in ("block_m", "block_n", "block_k"):
       value = getattr(self, name)
-      if not isinstance(value, int) or value < 1:
+      if positive_int(value) is None:
         raise ValueError(f"BlockSizes.{name}={value!r} must be a positive int.")
+    as_python_ints(self, "block_m", "block_n", "block_k")
     if self.block_k % BLOCK:
       raise ValueError(f"BlockSizes.block_k={self.block_k} must be a multiple of {BLOCK} (whole "
                        "MXFP4 blocks per tile); e.g. 512.")

@@ -37,9 +37,11 @@ import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.backend import resolve_backend, resolve_interpret
+from pallas_kernels.common import as_python_ints as _as_python_ints
 from pallas_kernels.common import is_pow2 as _pow2
 from pallas_kernels.common import need as _need
 from pallas_kernels.common import next_pow2 as _next_pow2
+from pallas_kernels.common import positive_int as _positive_int
 from pallas_kernels.common import round_up as _round_up
 from pallas_kernels.sparse_attention import kernel
 from pallas_kernels.sparse_attention.reference import check_mqa_args
@@ -69,6 +71,7 @@ class BlockSizes:
         raise ValueError(f"BlockSizes.{name}={val!r} must be a positive power of two.")
     if self.block_h is not None and not _pow2(self.block_h):
       raise ValueError(f"BlockSizes.block_h={self.block_h!r} must be None (all heads) or a power of two.")
+    _as_python_ints(self, "block_q", "block_k", "block_h")
 
   @classmethod
   def default(cls, backend: str) -> "BlockSizes":
@@ -91,7 +94,7 @@ def _check_args(q_lat, q_rope, latent, k_rope, idx, valid, scale, query_block):
   _need(idx.ndim == 3 and idx.shape[:2] == (b, t) and valid.shape == idx.shape and idx.shape[2] > 0,
         f"{fn}: idx and valid must both be [b={b}, t={t}, topk >= 1], got {idx.shape} and {valid.shape}.")
   _need(jnp.issubdtype(idx.dtype, jnp.integer), f"{fn}: idx must be an integer array, got {idx.dtype}.")
-  _need(isinstance(query_block, int) and query_block > 0,
+  _need(_positive_int(query_block) is not None,
         f"{fn}: query_block={query_block!r} must be a positive int.")
   _need(isinstance(scale, numbers.Real) and not isinstance(scale, bool) and 0 < scale < float("inf"),
         f"{fn}: scale={scale!r} must be a positive number.")
