@@ -99,11 +99,27 @@ def chunk_inputs(slot: Slot, chunk: np.ndarray, width: int, cfg, no_images: jax.
   return tokens, jnp.asarray(patches, cfg.jnp_dtype)
 
 
-@functools.lru_cache(maxsize=16)
+def shared_by_graphdef(build: Callable) -> Callable:
+  """`build(graphdef, *args)` cached by its arguments (the last 16), so that engines over models of
+  one config share what it builds; a graphdef that cannot be hashed (metadata holding a dict: an
+  MXFP4 weight's storage axes) gets a fresh build, as before."""
+  cached = functools.lru_cache(maxsize=16)(build)
+
+  @functools.wraps(build)
+  def get(graphdef: nnx.GraphDef, *args):
+    try:
+      hash(graphdef)
+    except (TypeError, ValueError):  # flax raises ValueError for a metadata key it cannot sort
+      return build(graphdef, *args)
+    return cached(graphdef, *args)
+  return get
+
+
+@shared_by_graphdef
 def compile_programs(graphdef: nnx.GraphDef) -> dict[str, Callable]:
   """The engine's jitted programs (pure; the model enters as graphdef + state).
 
-  Cached by graphdef (equal for models of one config): engines over such models (a server's engine
+  Shared by graphdef (equal for models of one config): engines over such models (a server's engine
   rebuilt in the same process, a benchmark's engines side by side, a test's) share the jitted
   functions, hence their traces and compiled executables, which jit keys by the arguments' shapes,
   dtypes and shardings. Callers copy the dict before changing it.

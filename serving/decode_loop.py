@@ -24,7 +24,6 @@ Eligibility: `run_ahead`.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
@@ -33,12 +32,12 @@ import numpy as np
 from flax import nnx
 
 from model.layers import scatter_set
-from serving.batch import open_rows, sampling_args
+from serving.batch import open_rows, sampling_args, shared_by_graphdef
 from serving.sampling import sample_batch
 from serving.types import FreeRun
 
 
-@functools.lru_cache(maxsize=16)  # shared by engines over models of one config (batch.compile_programs)
+@shared_by_graphdef  # shared by engines over models of one config (batch.compile_programs)
 def compile_decode_loop(graphdef: nnx.GraphDef, steps: int) -> Callable:
   """jit(decode_loop)(state, cache, rows int32 [B], tokens [B], active bool [B], budget int32 [B], stop
   bool [B, V], temperature, top_k, top_p, mask bool [B, V], forced int32 [B], seed_lo, seed_hi,

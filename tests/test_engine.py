@@ -501,3 +501,14 @@ def test_ids_past_the_tokenizer_are_never_sampled():
   ids = [t for h in handles for t in _collect(h)[0]]
   assert len(ids) > 1000 and max(ids) < n, (len(ids), max(ids))
   eng.stop()
+
+
+def test_programs_are_shared_by_hashable_graphdefs_and_built_afresh_otherwise():
+  """serving.batch.shared_by_graphdef: one build per (graphdef, args) when the graphdef hashes; one
+  per call when it does not (an MXFP4 weight's metadata holds a dict), instead of a TypeError."""
+  from serving.batch import shared_by_graphdef
+  built = []
+  build = shared_by_graphdef(lambda graphdef, steps: built.append((graphdef, steps)) or object())
+  assert build(("tiny",), 8) is build(("tiny",), 8) and build(("tiny",), 4) is not build(("tiny",), 8)
+  assert build(["mxfp4"], 8) is not build(["mxfp4"], 8)
+  assert built == [(("tiny",), 8), (("tiny",), 4), (["mxfp4"], 8), (["mxfp4"], 8)]
