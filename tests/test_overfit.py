@@ -25,6 +25,8 @@ def test_tiny_overfits_one_batch(tiny_cfg):
     opt.update(model, grads)
     return ce
 
-  losses = [float(step(model, opt)) for _ in range(300)]
+  # 100 steps reach ~0.1% of the first loss (measured 0.12%; 300 steps reached 0.04%, and this
+  # asserted 10% after them)
+  losses = [float(step(model, opt)) for _ in range(100)]
   assert np.all(np.isfinite(losses))
-  assert losses[-1] <= 0.1 * losses[0], (losses[0], losses[-1])
+  assert losses[-1] <= 0.01 * losses[0], (losses[0], losses[-1])

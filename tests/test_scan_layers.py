@@ -153,14 +153,15 @@ def _traced_dots(cfg) -> int:
 def test_traced_layers_do_not_grow_with_depth():
   """The full pattern (period 4 after 3 dense layers) at tiny width: 23 and 91 layers (5 and 22
   scanned units, nothing unrolled after them) trace the same layer bodies (the same matmuls); the
-  depth shows only in the scan length and the stacking of parameters. Unrolled, 91 layers trace
-  every layer."""
+  depth shows only in the scan length and the stacking of parameters. Unrolled, 23 layers trace
+  every layer: their 20 pattern layers where the scan traces one unit of 4 (measured 711 dots against
+  199; unrolled at 91 layers, 2,887: tracing it took 14 of this test's 21 s)."""
   pattern = dict(dsa_period=4, dsa_offset=0, num_dense_layers=3)
   small, deep = (_tiny(scan_layers=True, num_layers=n, **pattern) for n in (23, 91))
   a, b = _traced_dots(small), _traced_dots(deep)
   assert a == b > 0, (a, b)
-  unrolled = _traced_dots(deep.replace(scan_layers=False))
-  assert unrolled > 10 * b, (unrolled, b)
+  unrolled = _traced_dots(small.replace(scan_layers=False))
+  assert unrolled > 3 * a, (unrolled, a)
 
 
 @pytest.mark.slow  # compiles several programs; .ci/run runs the slow suite
