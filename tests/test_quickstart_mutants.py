@@ -144,7 +144,8 @@ def test_a_relaunch_of_a_finished_run_reports_the_logged_losses(stubbed, monkeyp
   lines = [{"step": 0, "loss": 9.0}, {"step": 10, "loss": 5.0}, {"step": 20, "loss": 4.0},
            {"step": 29, "loss": 9.0}, {"step": 20, "loss": 3.0}, {"step": 29, "loss": 1.0, "mfu": 0.1},
            {"step": 9, "loss": 7.0}, {"step": 15}]
-  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines) + "\n")
+  cut = '{"step": 28, "loss": 0.'  # the last line of a killed launch, then blank, non-object lines
+  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines) + cut + "\n\n[1]\n")
   out = _run(pretrain.get_config("tiny"), tmp_path)
   # steps 10..29: 5.0, then step 20's and step 29's last lines (3.0, 1.0); steps 0 and 9 are earlier
   assert (out["final_loss"], out["final_loss_steps"], out["loss_over_unigram"]) == (3.0, 3, 1.5)

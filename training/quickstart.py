@@ -84,14 +84,18 @@ def decode_gap(model, tokens: list[int], n: int, max_len: int) -> float:
 
 def logged_losses(workdir: str, first: int, stop: int) -> list[float]:
   """The losses <workdir>/metrics.jsonl logged for steps first..stop-1 (step numbers 0-based), in step
-  order; a step logged twice (a resumed launch re-ran it) counts its last line."""
+  order; a step logged twice (a resumed launch re-ran it) counts its last line, and a line that is
+  not a JSON object (one cut short when a launch was killed) is skipped."""
   path = epath.Path(workdir) / "metrics.jsonl"
   by_step = {}
-  if path.exists():
-    for line in path.read_text().splitlines():
-      record = json.loads(line) if line.strip() else {}
-      if isinstance(record.get("loss"), float) and first <= record.get("step", -1) < stop:
-        by_step[record["step"]] = record["loss"]
+  for line in path.read_text().splitlines() if path.exists() else []:
+    try:
+      record = json.loads(line)
+    except ValueError:
+      continue
+    if (isinstance(record, dict) and isinstance(record.get("loss"), float)
+        and isinstance(record.get("step"), int) and first <= record["step"] < stop):
+      by_step[record["step"]] = record["loss"]
   return [by_step[k] for k in sorted(by_step)]
 
 
