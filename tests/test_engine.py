@@ -455,11 +455,6 @@ def test_build_engine_from_checkpoint(engine, tmp_path):
                                jax.tree_util.tree_leaves_with_path(got), strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(path))
   assert loaded.tokenizer.image_id == engine.cfg.image_token_id
-  # One config, one set of jitted programs (serving/batch.compile_programs): the loaded engine's
-  # first calls reuse what the session engine compiled; each engine has its own dict of them.
-  assert loaded.decode_steps == engine.decode_steps and loaded._fns is not engine._fns
-  shared = ("prefill", "reset", "encode", "sample", "decode_loop")
-  assert all(loaded._fns[k] is engine._fns[k] for k in shared)
   config.serving.tokenizer = str(tmp_path / "missing.json")  # the error named --config.data.tokenizer
   with pytest.raises(FileNotFoundError, match="missing.json. does not exist.*--config.serving.tokenizer at"):
     build_engine(config, str(tmp_path / "ckpt"))
@@ -470,7 +465,6 @@ def test_build_engine_from_checkpoint(engine, tmp_path):
   ran = build_engine(config, str(tmp_path / "ckpt"), model_overrides={"dtype": other, "kernels": "xla",
                                                                       "d_model": engine.cfg.d_model})
   assert (ran.cfg.dtype, ran.cfg.kernels, ran.cfg.d_model) == (other, "xla", engine.cfg.d_model)
-  assert ran._fns["prefill"] is not engine._fns["prefill"]  # another config: its own programs
   with pytest.raises(ConfigError, match=r"config.model.d_model=64 \(checkpoint .* has 56\).*drop the flag"):
     build_engine(config, str(tmp_path / "ckpt"), model_overrides={"d_model": 64, "kernels": "xla"})
   with pytest.raises(ConfigError, match="quantization='experts'.*experiments.quantize"):
@@ -501,14 +495,3 @@ def test_ids_past_the_tokenizer_are_never_sampled():
   ids = [t for h in handles for t in _collect(h)[0]]
   assert len(ids) > 1000 and max(ids) < n, (len(ids), max(ids))
   eng.stop()
-
-
-def test_programs_are_shared_by_hashable_graphdefs_and_built_afresh_otherwise():
-  """serving.batch.shared_by_graphdef: one build per (graphdef, args) when the graphdef hashes; one
-  per call when it does not (an MXFP4 weight's metadata holds a dict), instead of a TypeError."""
-  from serving.batch import shared_by_graphdef
-  built = []
-  build = shared_by_graphdef(lambda graphdef, steps: built.append((graphdef, steps)) or object())
-  assert build(("tiny",), 8) is build(("tiny",), 8) and build(("tiny",), 4) is not build(("tiny",), 8)
-  assert build(["mxfp4"], 8) is not build(["mxfp4"], 8)
-  assert built == [(("tiny",), 8), (("tiny",), 4), (["mxfp4"], 8), (["mxfp4"], 8)]

@@ -315,3 +315,28 @@ def test_every_masked_row_keeps_its_mask_and_free_rows_take_the_open_row():
   forced, masks, failed = batch.constraints(slots, [0, 1, 2], 6, open_row)
   assert failed == [] and forced.tolist() == [-1, -1, -1]
   assert masks.tolist() == [[False, True] + [False] * 4, [True] * 4 + [False] * 2, [False] * 5 + [True]]
+
+
+
+def test_programs_are_shared_by_hashable_graphdefs_and_built_afresh_otherwise():
+  """batch.shared_by_graphdef: one build per (graphdef, args) when the graphdef hashes; one per call
+  when it does not (an MXFP4 weight's metadata holds a dict), instead of a TypeError."""
+  built = []
+  build = batch.shared_by_graphdef(lambda graphdef, steps: built.append((graphdef, steps)) or object())
+  assert build(("tiny",), 8) is build(("tiny",), 8) and build(("tiny",), 4) is not build(("tiny",), 8)
+  assert build(["mxfp4"], 8) is not build(["mxfp4"], 8)
+  assert built == [(("tiny",), 8), (("tiny",), 4), (["mxfp4"], 8), (["mxfp4"], 8)]
+
+
+def test_engines_over_one_config_share_their_programs(engine):
+  """A second engine over the session's model (other sizes) gets the session engine's jitted
+  programs, so its first calls reuse what that one compiled; each engine has its own dict of them.
+  A model of another config (bf16 compute) gets its own."""
+  from serving.engine import Engine
+  from tests.helpers import model_like
+  other = Engine(engine.model, engine.tokenizer, slots=2, max_context=48, prefill_chunk=8)
+  assert other.decode_steps == engine.decode_steps and other._fns is not engine._fns
+  assert set(other._fns) == set(engine._fns) and all(other._fns[k] is engine._fns[k] for k in engine._fns)
+  bf16 = Engine(model_like(engine.model, engine.cfg.replace(dtype="bfloat16")), engine.tokenizer, slots=2,
+                max_context=48, prefill_chunk=8, compute_dtype_weights=False)
+  assert not any(bf16._fns[k] is engine._fns[k] for k in engine._fns)
