@@ -44,10 +44,9 @@ c latent (kv_lora) dim.
 from __future__ import annotations
 
 import math
-import numbers
 
 from model.attention.delta_rule import _PRODUCT_BLOCK  # the inverse's recursion cut-off
-from model.config import ModelConfig
+from model.config import ModelConfig, is_int
 
 # Forward components counted from weights (one multiply-add per weight per token).
 WEIGHT_COMPONENTS = ("dsa_projections", "indexer_projections", "delta_projections", "dense_ffn",
@@ -144,7 +143,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
     (3 x forward), 'recompute' (the remat policy's recomputed forward work) and
     'train' (train_model + recompute: 4 x forward for remat='full').
   """
-  if isinstance(seq_len, bool) or not isinstance(seq_len, numbers.Integral) or seq_len < 1:
+  if not is_int(seq_len, numpy=True) or seq_len < 1:
     raise ValueError(f"flops_per_token: seq_len={seq_len!r} must be a positive int (tokens per row).")
   seq_len = int(seq_len)  # a numpy integer (an array's shape entry, a config read back) counts as one
   n_dsa, n_delta = cfg.layer_kinds.count("dsa"), cfg.layer_kinds.count("delta")

@@ -40,11 +40,11 @@ head dim, c latent (kv_lora) dim, p RoPE dim, j selected top-k slot.
 from __future__ import annotations
 
 import functools
-import numbers
 
 import jax
 import jax.numpy as jnp
 
+from model.config import is_int
 from model.layers import F32_SCOPE, einsum, einsum_f32
 from pallas_kernels.common import need, pad_axis1
 from pallas_kernels.indexer_topk.reference import (
@@ -145,7 +145,7 @@ def topk_mask(scores: jax.Array, allowed: jax.Array, topk: int) -> jax.Array:
   Returns:
     [..., s] bool mask, a subset of `allowed` with min(topk, allowed per row) entries per row.
   """
-  need(isinstance(topk, numbers.Integral) and not isinstance(topk, bool) and topk >= 1,
+  need(is_int(topk, numpy=True) and topk >= 1,
        f"topk_mask: topk={topk!r} must be an int >= 1.")  # True would keep one entry per row
   topk = int(topk)
   need(scores.shape == allowed.shape, f"topk_mask: scores {scores.shape} and allowed {allowed.shape} "
