@@ -74,7 +74,7 @@ class MXFP4Weight(nnx.Variable):
 
   Metadata: `axis` (position of the block axis in the dense weight),
   `dense_dtype` (dtype `w[...]` returns), `axes` (logical axes of the dense
-  weight, for sharding rules).
+  weight, for sharding rules), `storage_axes` (those of the packed arrays, see `storage_axes`).
   """
 
   def dense(self) -> jax.Array:
@@ -135,10 +135,14 @@ class Decision:
     return self.elements * (BLOCK // 2 + 1) // BLOCK if self.mxfp4 else self.bytes_before
 
 
-def storage_axes(axes: tuple, axis: int) -> dict[str, tuple]:
-  """Logical axes of the packed arrays: K moved last, split into (K/32 blocks, 16 bytes)."""
+def storage_axes(axes: tuple, axis: int) -> tuple[tuple[str, tuple], ...]:
+  """Logical axes of the packed arrays: K moved last, split into (K/32 blocks, 16 bytes).
+
+  Pairs (part, axes), not a dict, so that a quantized model's graphdef hashes like a dense one's and
+  engines over models of one quantized config share their compiled programs
+  (`serving.batch.shared_by_graphdef`); `dict(...)` of it reads a part's axes."""
   rest = tuple(a for i, a in enumerate(axes) if i != axis)
-  return {"blocks": rest + (None, None), "scales": rest + (None,)}
+  return (("blocks", rest + (None, None)), ("scales", rest + (None,)))
 
 
 def contraction_axis(shape: tuple[int, ...], axes: tuple) -> int:

@@ -101,8 +101,8 @@ def chunk_inputs(slot: Slot, chunk: np.ndarray, width: int, cfg, no_images: jax.
 
 def shared_by_graphdef(build: Callable) -> Callable:
   """`build(graphdef, *args)` cached by its arguments (the last 16), so that engines over models of
-  one config share what it builds; a graphdef that cannot be hashed (metadata holding a dict: an
-  MXFP4 weight's storage axes) gets a fresh build, as before."""
+  one config share what it builds (MXFP4 models included); a graphdef that cannot be hashed
+  (a variable's metadata holding a dict) gets a fresh build."""
   cached = functools.lru_cache(maxsize=16)(build)
 
   @functools.wraps(build)

@@ -156,7 +156,7 @@ def _variable_spec(path, var: nnx.Variable, mesh_shape, table) -> P:
                         "pass axes=(...) to the Variable.")
   storage = var.get_metadata().get("storage_axes")
   if storage is not None:  # model.quant.MXFP4Weight: {'blocks', 'scales'} with their own axes
-    out = {}
+    storage, out = dict(storage), {}
     for part, arr in value.items():
       spec = logical_to_spec(storage[part], table, f"{what}[{part}]")
       check_divisible(f"{what}[{part}]", arr.shape, spec, mesh_shape, storage[part])

@@ -184,11 +184,14 @@ def test_storage_axes_and_quantized_bytes():
   m = _Mixed()
   quantize_model(m, "all-linear")
   assert m.h3.blocks.shape == (64, 5, 1, 16) and m.first.blocks.shape == (14, 96, 2, 16)
-  assert m.h3.get_metadata()["storage_axes"] == {"blocks": ("heads", "mlp", None, None),
-                                                  "scales": ("heads", "mlp", None)}
-  assert m.first.get_metadata()["storage_axes"] == {"blocks": (None, None, None, None),
-                                                     "scales": (None, None, None)}
-  assert m.hk.get_metadata()["storage_axes"]["blocks"] == ("embed", None, None)
+  assert dict(m.h3.get_metadata()["storage_axes"]) == {"blocks": ("heads", "mlp", None, None),
+                                                        "scales": ("heads", "mlp", None)}
+  assert dict(m.first.get_metadata()["storage_axes"]) == {"blocks": (None, None, None, None),
+                                                           "scales": (None, None, None)}
+  assert dict(m.hk.get_metadata()["storage_axes"])["blocks"] == ("embed", None, None)
+  # The metadata hashes (a dict did not), so engines over quantized models of one config share
+  # their compiled programs (serving.batch.shared_by_graphdef) as dense ones do.
+  assert hash(nnx.graphdef(m)) == hash(nnx.graphdef(m))
   # MXFP4: 17 bytes per 32 weights; dense: vec 64 + odd 40 * 24 + stat 64 * 32 f32 values.
   mx_elems = 64 * 32 + 64 * 96 + 64 * 14 * 96 + 64 * 32 * 5
   assert quantized_bytes(m) == {"mxfp4": mx_elems * 17 // 32, "other": (64 + 40 * 24 + 64 * 32) * 4}

@@ -100,13 +100,15 @@ def test_quantized_checkpoint_serves_close_to_the_dense_one(converted, ckpts):
   MXFP4 is such noise (zero-mean, in independent blocks) and lands within [0.5, 1.5] x its effect
   (measured 0.9-1.2 over seeds); a wrong layout, scale or axis would be an error of ~||W||, far above."""
   from serving.build import build_engine
-  from serving.engine import Request
+  from serving.engine import Engine, Request
   from serving.types import SamplingParams
   what, out, cfg, done = converted
   dense = load_model(ckpts["mixed"][0], cfg)
   config = serve.get_config("tiny")
   config.serving.update(slots=1, max_context=48, prefill_chunk=16)
   engine = build_engine(config, str(out))
+  twin = Engine(engine.model, engine.tokenizer, slots=1, max_context=48, prefill_chunk=16)
+  assert all(twin._fns[k] is engine._fns[k] for k in engine._fns)  # shared, as dense engines' are
   got = engine.next_token_logits(PROMPT)
   ids, reason, _ = engine.generate(Request(PROMPT, SamplingParams(max_tokens=5, temperature=0.0)))
   assert 1 <= len(ids) <= 5 and reason in ("length", "stop"), (ids, reason)
