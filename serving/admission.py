@@ -27,10 +27,11 @@ TOP_K_MAX = 2**31 - 1  # the engine's top_k is int32 (serving/batch.py: sampling
 def validate_engine_args(model_cfg: Any, *, slots: int, max_context: int, prefill_chunk: int,
                          max_queue: int, decode_steps: int = 1) -> None:
   """The Engine's sizes, checked against each other and the model (ConfigError naming the field;
-  model_cfg None: without the model's max_seq_len, as a launcher checks before loading it)."""
+  model_cfg None: without the model's max_seq_len, as a launcher checks before loading it). NumPy
+  ints pass (the Engine stores them as Python ints); bools do not."""
   for name, v in (("slots", slots), ("max_context", max_context), ("prefill_chunk", prefill_chunk),
                   ("max_queue", max_queue), ("decode_steps", decode_steps)):
-    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+    if not is_int(v, numpy=True) or v < 1:
       raise ConfigError(f"Engine: {name}={v!r} must be a positive int (config.serving.{name}).")
   if model_cfg is not None and max_context > model_cfg.max_seq_len:
     raise ConfigError(f"Engine: max_context={max_context} exceeds config.model.max_seq_len="
@@ -42,14 +43,14 @@ def validate_engine_args(model_cfg: Any, *, slots: int, max_context: int, prefil
 
 def check_prefix_settings(mb: Any, block: Any, prefill_chunk: int) -> None:
   """The prefix cache's settings (ConfigError naming the field); the block is checked only when
-  the cache is on (mb > 0)."""
-  if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not (mb >= 0 and math.isfinite(mb)):
+  the cache is on (mb > 0). NumPy numbers pass; bools do not."""
+  if isinstance(mb, bool) or not isinstance(mb, numbers.Real) or not (mb >= 0 and math.isfinite(mb)):
     raise ConfigError(f"Engine: prefix_cache_mb={mb!r} must be a finite number >= 0 (0 = off; "
                       "config.serving.prefix_cache_mb).")
   if mb and mb * 2**20 < 1:  # the budget in whole bytes would be 0 (PrefixCache needs >= 1)
     raise ConfigError(f"Engine: prefix_cache_mb={mb!r} is under one byte; use 0 to turn the cache off "
                       "(config.serving.prefix_cache_mb).")
-  if mb and (isinstance(block, bool) or not isinstance(block, int) or block < 1 or prefill_chunk % block):
+  if mb and (not is_int(block, numpy=True) or block < 1 or prefill_chunk % block):
     raise ConfigError(f"Engine: prefix_cache_block={block!r} must be a positive divisor of "
                       f"prefill_chunk={prefill_chunk} (config.serving.prefix_cache_block), so every "
                       "full prefill chunk ends on a block boundary.")

@@ -17,8 +17,7 @@ One background thread loops:
   4. sample the rows whose prompt is complete, hand every new token to its request's processor
      and deliver events; finished slots are freed and refilled at the next iteration.
 
-Steps 2 and 3 add to the prefix cache every block a row completes (with a snapshot of the delta
-layers' state where the row stands on a block's end).
+Steps 2 and 3 add to the prefix cache each block a row completes (with the delta layers' state).
 
 Why prefill and decode are separate calls with fixed shapes (a request's numerics must not depend
 on what else runs): serving/batch.py, which holds the per-slot state and the jitted programs. The
@@ -92,6 +91,8 @@ class Engine:
     cfg = model.cfg
     validate_engine_args(cfg, slots=slots, max_context=max_context, prefill_chunk=prefill_chunk,
                          max_queue=max_queue, decode_steps=decode_steps)
+    slots, max_context, prefill_chunk, max_queue, decode_steps = (  # NumPy ints in, Python ints kept
+        int(v) for v in (slots, max_context, prefill_chunk, max_queue, decode_steps))
     self.decode_steps = decode_steps
     self.decode_buckets = decode_loop.row_buckets(slots, batch_invariant)
     self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
@@ -110,8 +111,7 @@ class Engine:
     self._rows: list[Slot | None] = [None] * slots
     self._waiting: collections.deque[Handle] = collections.deque()
     self._rng = np.random.default_rng(seed)
-    self._cond = threading.Condition()
-    self._step_lock = threading.Lock()
+    self._cond, self._step_lock = threading.Condition(), threading.Lock()
     self._thread: threading.Thread | None = None
     self._stopping = False
     # Constant inputs kept on the device: "no constraint" masks, and the image patches of chunks

@@ -384,5 +384,5 @@ def build_prefixer(mb: float, block: int, prefill_chunk: int, exact: bool, image
   if not mb:
     return None
   check_cacheable(cache)
-  return Prefixer(PrefixCache(block, int(mb * 2**20)), prefill_chunk=prefill_chunk, exact=exact,
+  return Prefixer(PrefixCache(int(block), int(mb * 2**20)), prefill_chunk=prefill_chunk, exact=exact,
                   image_token_id=image_token_id)

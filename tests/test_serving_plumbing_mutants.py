@@ -136,17 +136,19 @@ def test_bytes_are_not_a_list_of_stop_ids():
 
 
 @pytest.mark.parametrize("field", ["slots", "max_context", "prefill_chunk", "max_queue", "decode_steps"])
-def test_engine_sizes_refuse_bools(field):
+def test_engine_sizes_refuse_bools_and_take_numpy_ints(field):
   """True passed as an int (one slot, a queue of one) instead of naming the mistake."""
   sizes = {"slots": 1, "max_context": 16, "prefill_chunk": 16, "max_queue": 1, "decode_steps": 1}
   with pytest.raises(ConfigError, match=f"{field}=True must be a positive int"):
     validate_engine_args(CFG, **{**sizes, field: True})
+  validate_engine_args(CFG, **{**sizes, field: np.int64(sizes[field])})  # NumPy ints pass (were refused)
 
 
 def test_the_prefix_budget_is_one_byte_at_least():
   """2**-20 MB is exactly one byte (the least PrefixCache takes); 2**-15 MB is 32 bytes."""
   check_prefix_settings(2**-20, 16, 32)
   check_prefix_settings(2**-15, 16, 32)
+  check_prefix_settings(np.float32(1.5), np.int64(16), 32)  # NumPy numbers pass (they were refused)
   with pytest.raises(ConfigError, match="is under one byte"):
     check_prefix_settings(2**-21, 16, 32)
 
@@ -320,7 +322,7 @@ def test_every_masked_row_keeps_its_mask_and_free_rows_take_the_open_row():
 
 def test_programs_are_shared_by_hashable_graphdefs_and_built_afresh_otherwise():
   """batch.shared_by_graphdef: one build per (graphdef, args) when the graphdef hashes; one per call
-  when it does not (an MXFP4 weight's metadata holds a dict), instead of a TypeError."""
+  when it does not (metadata holding a dict), instead of a TypeError."""
   built = []
   build = batch.shared_by_graphdef(lambda graphdef, steps: built.append((graphdef, steps)) or object())
   assert build(("tiny",), 8) is build(("tiny",), 8) and build(("tiny",), 4) is not build(("tiny",), 8)
@@ -334,8 +336,11 @@ def test_engines_over_one_config_share_their_programs(engine):
   A model of another config (bf16 compute) gets its own."""
   from serving.engine import Engine
   from tests.helpers import model_like
-  other = Engine(engine.model, engine.tokenizer, slots=2, max_context=48, prefill_chunk=8)
+  other = Engine(engine.model, engine.tokenizer, slots=np.int64(2), max_context=np.int32(48),
+                 prefill_chunk=np.int64(8), max_queue=np.int16(4), decode_steps=np.int64(engine.decode_steps))
   assert other.decode_steps == engine.decode_steps and other._fns is not engine._fns
+  sizes = (other.slots, other.max_context, other.prefill_chunk, other.max_queue, other.decode_steps)
+  assert [type(v) for v in sizes] == [int] * 5 and sizes[:4] == (2, 48, 8, 4)  # NumPy sizes kept as ints
   assert set(other._fns) == set(engine._fns) and all(other._fns[k] is engine._fns[k] for k in engine._fns)
   bf16 = Engine(model_like(engine.model, engine.cfg.replace(dtype="bfloat16")), engine.tokenizer, slots=2,
                 max_context=48, prefill_chunk=8, compute_dtype_weights=False)
