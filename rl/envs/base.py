@@ -16,6 +16,7 @@ import dataclasses
 import importlib
 import json
 import logging
+import numbers
 import os
 import tempfile
 import weakref
@@ -106,6 +107,9 @@ class EnvContext:
   disk_mb: int = 256
 
   def __post_init__(self):
+    if isinstance(self.disk_mb, bool) or not isinstance(self.disk_mb, numbers.Integral) or self.disk_mb < 1:
+      raise ConfigError(f"EnvContext: disk_mb={self.disk_mb!r} must be an int >= 1 (config.env.disk_mb; "
+                        "a tmpfs reads 0 as no limit).")
     self._mounts: set[Path] = set()
     root_is_ours = self.root is None
     where = Path(tempfile.gettempdir() if root_is_ours else self.root)

@@ -19,7 +19,8 @@ from collections.abc import Callable, Mapping, Sequence
 _CHUNK = 1 << 16
 # After the main process exits, how long to keep reading pipes that a stray background
 # process may still hold open (only possible in the unsafe back end; nsjail's PID namespace
-# dies with its init).
+# dies with its init). What is left of the process group is then killed, whether or not it
+# holds a pipe, so the two back ends agree: nothing a command started outlives it.
 _DRAIN_GRACE_S = 0.2
 
 
@@ -58,14 +59,16 @@ def run_capped(argv: Sequence[str], *, env: Mapping[str, str], cwd: str | None, 
     argv: the program and its arguments.
     env: the complete environment of the process.
     cwd: its working directory (None: ours).
-    timeout_s: wall-clock limit; past it the whole process group is killed (SIGKILL).
+    timeout_s: wall-clock limit; past it the whole process group is killed (SIGKILL), also when
+      the process has closed or redirected its stdout and stderr (`exec >log 2>&1`).
     output_limit: bytes of stdout and stderr kept together; the rest is read and dropped.
     log_pipe: (read fd, write fd) of an extra pipe (e.g. nsjail's `--log_fd`): the write end
       is inherited by the child, the read end collected (64 KiB at most); both are closed here.
     preexec_fn: run in the child before exec (rlimits of the unsafe back end).
 
   Returns:
-    The captured streams; returncode is 128 + signal for a process killed by a signal.
+    The captured streams; returncode is 128 + signal for a process killed by a signal. When it
+    returns, nothing of the process group is left running (background jobs included).
   """
   start = time.monotonic()
   try:
@@ -91,6 +94,7 @@ def run_capped(argv: Sequence[str], *, env: Mapping[str, str], cwd: str | None, 
   finally:
     if proc.poll() is None:  # interrupted (e.g. KeyboardInterrupt): leave nothing running
       _stop(proc)
+    _kill_group(proc)  # background jobs that closed their pipes (`server >/dev/null 2>&1 &`)
     proc.stdout.close()
     proc.stderr.close()
     if log_pipe:
@@ -105,13 +109,14 @@ def run_capped(argv: Sequence[str], *, env: Mapping[str, str], cwd: str | None, 
 
 def _pump(proc: subprocess.Popen, bufs: dict[int, bytearray], sinks: dict[int, _Sink],
           deadline: float) -> bool:
-  """Reads every pipe until EOF (or a short grace after exit); True iff the deadline hit."""
+  """Reads every pipe until EOF (or a short grace after exit) and the process has exited (the
+  deadline applies after the pipes close too); True iff the deadline hit."""
   sel = selectors.DefaultSelector()
   for fd in bufs:
     sel.register(fd, selectors.EVENT_READ)
   deadline_hit, exited_at = False, None
   try:
-    while sel.get_map():
+    while sel.get_map() or proc.poll() is None:
       now = time.monotonic()
       if proc.poll() is None:
         if now >= deadline:
@@ -125,6 +130,12 @@ def _pump(proc: subprocess.Popen, bufs: dict[int, bytearray], sinks: dict[int, _
           _kill_group(proc)  # a stray background process holds a pipe open
           break
         wait = _DRAIN_GRACE_S
+      if not sel.get_map():  # every pipe is closed but the process runs on: wait for it
+        try:
+          proc.wait(timeout=max(min(wait, 1.0), 0.005))
+        except subprocess.TimeoutExpired:
+          pass
+        continue
       for key, _ in sel.select(timeout=max(min(wait, 1.0), 0.005)):
         data = os.read(key.fd, _CHUNK)
         if data:

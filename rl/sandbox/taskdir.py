@@ -29,6 +29,7 @@ import ctypes.util
 import errno
 import itertools
 import logging
+import numbers
 import os
 import re
 import stat
@@ -70,7 +71,10 @@ def mount_tmpfs(path: Path, size_mb: int) -> str | None:
   directory `path`.
 
   Returns None when mounted, else why not (not Linux, not root, or the mount call's error).
+  Raises ValueError for a size that is not an int >= 1 (tmpfs reads size=0 as no limit).
   """
+  if isinstance(size_mb, bool) or not isinstance(size_mb, numbers.Integral) or size_mb < 1:
+    raise ValueError(f"mount_tmpfs: size_mb={size_mb!r} must be an int >= 1 (tmpfs reads 0 as no limit).")
   if not sys.platform.startswith("linux"):
     return f"{sys.platform} has no tmpfs mounts here"
   if os.geteuid() != 0:

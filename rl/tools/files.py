@@ -183,6 +183,13 @@ class FileTools:
 
   def call(self, name: str, arguments: Mapping[str, str]) -> str:
     """Runs one validated call; raises ToolError for a bad one."""
+    for key, value in arguments.items():  # JSON's "\ud800" parses to a lone surrogate
+      if isinstance(value, str) and not value.isascii():
+        try:
+          value.encode("utf-8")
+        except UnicodeEncodeError as e:
+          raise ToolError(f"{key} holds {e.object[e.start:e.end]!r}, a lone UTF-16 surrogate that no file, "
+                          "path or command line can hold; write the character itself or drop it") from None
     if name == "shell":
       if "\x00" in arguments["command"]:  # subprocess would raise ValueError (embedded null byte)
         raise ToolError("the command contains a NUL byte, which no shell command line can hold; remove it "
