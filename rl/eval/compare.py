@@ -39,8 +39,57 @@ class CompareError(ValueError):
   """Two evaluation directories that cannot be compared (the message says why and what to do)."""
 
 
+# Record fields compare reads: (field, type, what it must be).
+_FIELDS = (("key", str, "a string (task|tier|sample)"), ("domain", str, "a string"),
+           ("tier", str, "a string"), ("success", bool, "a JSON bool (true or false)"))
+
+
+def _record(path: Path, lineno: int, r: Any) -> tuple[str, dict[str, Any]]:
+  """(key, {domain, tier, success}) of one results.jsonl record; CompareError naming the line if it
+  is not one (a missing field, or one of another type: the string "false" is no failure)."""
+  try:
+    fields = {name: r[name] for name, _, _ in _FIELDS}
+  except (KeyError, TypeError) as e:
+    raise CompareError(f"{path}:{lineno}: not an evaluation record ({e}).") from e
+  for name, kind, what in _FIELDS:
+    if not isinstance(fields[name], kind):
+      raise CompareError(f"{path}:{lineno}: not an evaluation record: {name!r} is {fields[name]!r} "
+                         f"({type(fields[name]).__name__}), not {what}; fix that line or rerun "
+                         "experiments.evaluate to rewrite the file.")
+  return fields.pop("key"), fields
+
+
+def _json_object(path: Path) -> dict[str, Any]:
+  """The JSON object in a file the harness wrote (run.json, the signature); CompareError if it is not one."""
+  try:
+    meta = json.loads(path.read_text())
+  except json.JSONDecodeError as e:
+    raise CompareError(f"{path}: not JSON ({e}); rerun experiments.evaluate to rewrite it.") from e
+  if not isinstance(meta, dict):
+    raise CompareError(f"{path}: not a JSON object (a {type(meta).__name__}); rerun experiments.evaluate "
+                       "to rewrite it.")
+  return meta
+
+
+def _run_meta(out: Path, results: Path) -> dict[str, Any]:
+  """run.json, its 'sampling' taken from the results' signature when run.json lacks it."""
+  meta_path = out / "run.json"
+  meta = _json_object(meta_path) if meta_path.is_file() else {}
+  source, signature = meta_path, harness.signature_path(results)
+  if "sampling" not in meta and signature.is_file():
+    # run.json is written when an evaluation finishes; an interrupted one has only its signature.
+    source, sig = signature, _json_object(signature)
+    meta = {**meta, "sampling": sig.get("sampling", {})}
+  if "sampling" in meta and not isinstance(meta["sampling"], dict):
+    raise CompareError(f"{source}: field 'sampling' is {meta['sampling']!r}, not an object of sampling "
+                       "settings ({\"temperature\": ..., \"seed\": ...}); rerun experiments.evaluate to "
+                       "rewrite it.")
+  return meta
+
+
 def load_run(out_dir: str | Path) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
-  """(records by key, run.json) of an `experiments.evaluate --out` directory."""
+  """(records by key, run.json) of an `experiments.evaluate --out` directory; the run.json dict gains
+  'unplayed', the keys whose latest record the policy failed to play."""
   out = Path(out_dir)
   path = out / "results.jsonl"
   if not path.is_file():
@@ -48,11 +97,7 @@ def load_run(out_dir: str | Path) -> tuple[dict[str, dict[str, Any]], dict[str, 
   records: dict[str, dict[str, Any]] = {}
   unplayed: set[str] = set()
   for lineno, r in harness.iter_results(path):
-    try:
-      key = r["key"]
-      record = {"domain": r["domain"], "tier": r["tier"], "success": bool(r["success"])}
-    except (KeyError, TypeError) as e:
-      raise CompareError(f"{path}:{lineno}: not an evaluation record ({e}).") from e
+    key, record = _record(path, lineno, r)
     # An unplayed episode is no score; the harness replays it on resume, and the latest record
     # of a key counts.
     records.pop(key, None)
@@ -61,19 +106,7 @@ def load_run(out_dir: str | Path) -> tuple[dict[str, dict[str, Any]], dict[str, 
       unplayed.add(key)
     else:
       records[key] = record
-  meta_path = out / "run.json"
-  try:
-    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
-  except json.JSONDecodeError as e:
-    raise CompareError(f"{meta_path}: not JSON ({e}); rerun experiments.evaluate to rewrite it.") from e
-  signature = harness.signature_path(path)
-  if "sampling" not in meta and signature.is_file():
-    # run.json is written when an evaluation finishes; an interrupted one has only its signature.
-    try:
-      meta = {**meta, "sampling": json.loads(signature.read_text()).get("sampling", {})}
-    except json.JSONDecodeError as e:
-      raise CompareError(f"{signature}: not JSON ({e}); rerun experiments.evaluate to rewrite it.") from e
-  return records, {**meta, "unplayed": sorted(unplayed)}
+  return records, {**_run_meta(out, path), "unplayed": sorted(unplayed)}
 
 
 def mcnemar_p(b: int, c: int) -> float:
@@ -154,12 +187,16 @@ def markdown(rows: Sequence[Mapping[str, Any]]) -> str:
 def compare_dirs(before_dir: str | Path, after_dir: str | Path, allow_different_sampling: bool = False
                  ) -> tuple[list[dict[str, Any]], dict[str, int]]:
   """(rows, counts of keys only in one run and of episodes a run's policy failed to play) for two
-  `experiments.evaluate --out` directories."""
+  `experiments.evaluate --out` directories. A key scored in one run and unplayed in the other is
+  counted as unplayed, not as only in the first."""
   before, meta_b = load_run(before_dir)
   after, meta_a = load_run(after_dir)
   if not allow_different_sampling:
     check_comparable(meta_b, meta_a)
   rows = compare(before, after)
-  return rows, {"only_before": len(before.keys() - after.keys()),
-                "only_after": len(after.keys() - before.keys()),
-                "unplayed_before": len(meta_b["unplayed"]), "unplayed_after": len(meta_a["unplayed"])}
+  # "only in" one run: scored there and absent from the other. A key the other run holds unplayed is
+  # in both files and counted once, under that run's "unplayed".
+  unplayed_b, unplayed_a = set(meta_b["unplayed"]), set(meta_a["unplayed"])
+  return rows, {"only_before": len(before.keys() - after.keys() - unplayed_a),
+                "only_after": len(after.keys() - before.keys() - unplayed_b),
+                "unplayed_before": len(unplayed_b), "unplayed_after": len(unplayed_a)}

@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -148,3 +149,71 @@ def test_zero_paired_se_has_no_z(tmp_path):
   stray = subprocess.run([sys.executable, "-m", "experiments.compare_evals", f"--before={b}", f"--after={a}",
                           "--allow_different_sampling", "false"], cwd=ROOT, capture_output=True, text=True)
   assert stray.returncode and "unexpected arguments ['false']" in stray.stderr
+
+
+def _write_records(d: Path, records, sampling=None):
+  d.mkdir(parents=True)
+  (d / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+  (d / "run.json").write_text(json.dumps({"sampling": sampling or {"temperature": 0.0, "seed": 0}}))
+  return d
+
+
+def _rec(task, success, **kw):
+  return {"key": f"{task}|high|0", "domain": "math", "tier": "high", "success": success, **kw}
+
+
+def test_success_that_is_not_a_json_bool_is_refused_with_its_line(tmp_path):
+  """"success": "false" was scored by truthiness (a success); 1 and null were scored too. A record's
+  success must be a JSON bool, else the line is named, as for a missing field."""
+  b = _write_records(tmp_path / "b", [_rec("t0", True), _rec("t1", False)])
+  for i, bad in enumerate(("false", "true", 0, 1, None, [])):
+    a = _write_records(tmp_path / f"a{i}", [_rec("t0", True), _rec("t1", bad)])
+    with pytest.raises(CompareError, match=rf"a{i}/results.jsonl:2: not an evaluation record: 'success' is "
+                                           rf"{re.escape(repr(bad))} \(\w+\), not a JSON bool"):
+      compare_dirs(b, a, allow_different_sampling=True)
+  # an unplayed record's success is checked too (it may be the latest record of its key)
+  a = _write_records(tmp_path / "err", [_rec("t0", True), _rec("t1", "false", end="error")])
+  with pytest.raises(CompareError, match=r"err/results.jsonl:2: .*'success' is 'false'"):
+    compare_dirs(b, a)
+  rows, _ = compare_dirs(b, _write_records(tmp_path / "ok", [_rec("t0", False), _rec("t1", False)]))
+  assert (rows[0]["before"], rows[0]["after"], rows[0]["down"]) == (0.5, 0.0, 1)
+
+
+def test_malformed_key_fields_and_sampling_are_named(tmp_path):
+  """A list-valued key (TypeError: unhashable), a list domain or tier, and a run.json 'sampling' that is
+  not an object (AttributeError: .get) were tracebacks; each is a CompareError naming file and field."""
+  b = _write_records(tmp_path / "b", [_rec("t0", True), _rec("t1", False)])
+  for i, (field, bad) in enumerate((("key", ["x"]), ("key", 3), ("domain", ["math"]), ("tier", None))):
+    a = _write_records(tmp_path / f"a{i}", [_rec("t0", True), dict(_rec("t1", True), **{field: bad})])
+    with pytest.raises(CompareError, match=rf"a{i}/results.jsonl:2: not an evaluation record: '{field}' is "
+                                           rf"{re.escape(repr(bad))}"):
+      compare_dirs(b, a)
+  a = _write_records(tmp_path / "greedy", [_rec("t0", True)], sampling="greedy")
+  for allow in (False, True):
+    with pytest.raises(CompareError, match=r"greedy/run.json: field 'sampling' is 'greedy', not an object"):
+      compare_dirs(b, a, allow_different_sampling=allow)
+  # an interrupted run's signature is read the same way, and named when it is the source
+  (a / "run.json").unlink()
+  (a / "results.jsonl.signature.json").write_text(json.dumps({"sampling": [0.0]}))
+  with pytest.raises(CompareError, match=r"signature.json: field 'sampling' is \[0.0\]"):
+    compare_dirs(b, a)
+  for name, text in (("results.jsonl.signature.json", '["sampling"]'), ("run.json", '"x"')):
+    (a / name).write_text(text)
+    with pytest.raises(CompareError, match=rf"{re.escape(name)}: not a JSON object"):
+      compare_dirs(b, a)
+
+
+def test_an_episode_unplayed_in_one_run_is_not_only_in_the_other(tmp_path):
+  """t1 unplayed in one run and scored in the other is in both files: counted once, as unplayed in the
+  run that failed to play it, never also as 'only in' the other. t2, in one file only, still is."""
+  b = _write_records(tmp_path / "b", [_rec("t0", True), _rec("t1", True, end="error"), _rec("t2", False)])
+  a = _write_records(tmp_path / "a", [_rec("t0", False), _rec("t1", False)])
+  rows, counts = compare_dirs(b, a)
+  assert rows[0]["n"] == 1 and rows[0]["down"] == 1
+  assert counts == {"only_before": 1, "only_after": 0, "unplayed_before": 1, "unplayed_after": 0}
+  rows, counts = compare_dirs(a, b)
+  assert counts == {"only_before": 0, "only_after": 1, "unplayed_before": 0, "unplayed_after": 1}
+  # unplayed in both: counted in each run's unplayed, in neither "only in"
+  c = _write_records(tmp_path / "c", [_rec("t0", True), _rec("t1", False, end="error")])
+  counts = compare_dirs(b, c)[1]
+  assert counts == {"only_before": 1, "only_after": 0, "unplayed_before": 1, "unplayed_after": 1}

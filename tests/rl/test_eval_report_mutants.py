@@ -134,6 +134,9 @@ for name, args in json.loads(sys.argv[1]).items():
 
 
 def test_compare_cli_refuses_other_sampling_and_names_unplayed(tmp_path):
+  """t1 is unplayed in --before (end 'error') and scored in --after: it is in both files, so it is
+  counted once, as not played in --before, and not also as 'only in --after' (which was false: the
+  same episode counted twice, and a 'not compared' line claiming the runs' task lists differ)."""
   b = _run(tmp_path, "b", [_key("t0", "low", False), dict(_key("t1", "low", False), end="error")])
   a = _run(tmp_path, "a", [_key("t0", "low", True), _key("t1", "low", True)])
   hot = _run(tmp_path, "hot", [_key("t0", "low", True)], sampling={"temperature": 1.0, "seed": 0})
@@ -146,6 +149,6 @@ def test_compare_cli_refuses_other_sampling_and_names_unplayed(tmp_path):
   assert unplayed == ("not played (policy errors, not scored; rerun that evaluation's command to replay "
                       "them): 1 in --before, 0 in --after")
   counts = {k: v for k, v in json.loads(last).items() if k != "rows"}
-  assert counts == {"only_before": 0, "only_after": 1, "unplayed_before": 1, "unplayed_after": 0}
+  assert counts == {"only_before": 0, "only_after": 0, "unplayed_before": 1, "unplayed_after": 0}
   assert said["hot"].startswith("UsageError the runs sampled differently (temperature: 0.0 vs 1.0)")
   assert json.loads(json.loads(said["allowed"])[-1])["rows"][0]["up"] == 1
