@@ -26,7 +26,10 @@ def run_app(main) -> None:
   message (exit 1; HORIZON_TRACEBACK=1 keeps the traceback)."""
   def parse(argv):
     try:
-      return app.parse_flags_with_usage(argv)
+      return flags.FLAGS(argv)
+    except flags.Error as e:  # absl's own report embeds the config file's traceback as text
+      sys.exit(f"FATAL flags error: {_flag_error_reason(str(e))}\n"
+               "Pass --helpshort or --helpfull to see help on flags.")
     except (AttributeError, KeyError, TypeError, ValueError) as e:
       reason = str(e)
       if len(reason) > 1 and reason[0] == reason[-1] and reason[0] in "'\"":  # a KeyError's repr
@@ -42,6 +45,15 @@ def run_app(main) -> None:
   app.run(checked, flags_parser=parse)
 
 
+def _flag_error_reason(message: str) -> str:
+  """An absl flag error in one line: a traceback it holds as text (a configs/*.py file that raised,
+  e.g. on an unknown variant) reduced to the flag and the exception's last line."""
+  lines = [ln.strip() for ln in message.splitlines() if ln.strip()]
+  if any(ln.startswith("Traceback (most recent call last)") for ln in lines):
+    return f"{lines[0]} {lines[-1]}"
+  return " ".join(lines)
+
+
 # The errors that mean "the input is wrong" (a config field, a flag, a checkpoint, a data or task
 # file, an endpoint), each raised with a message that names the field and the fix. A launcher ends
 # with that message alone; any other exception keeps its traceback. Named by module so that a
@@ -50,7 +62,8 @@ USER_ERRORS = (("model.config", "ConfigError"), ("training.checkpoint_meta", "Ch
                ("training.data_sources", "DataError"), ("training.shapes_vqa", "RunArgsError"),
                ("sharding.mesh", "MeshError"), ("sharding.rules", "ShardingError"),
                ("rl.tasks.schema", "TaskError"), ("rl.sft.data", "ChatDataError"),
-               ("rl.eval.compare", "CompareError"), ("rl.agent.http", "EndpointError"))
+               ("rl.eval.compare", "CompareError"), ("rl.agent.http", "EndpointError"),
+               ("training.tokenizer", "TokenizerError"))
 
 
 def user_error_classes() -> tuple[type[Exception], ...]:

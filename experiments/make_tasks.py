@@ -30,7 +30,21 @@ flags.register_validator("domain", lambda ds: bool(ds) and sorted(set(ds) & set(
 flags.register_validator("n", lambda n: n >= 1, "--n: tasks per domain, an integer >= 1")
 flags.register_validator("difficulty", lambda d: d >= 0, "--difficulty: a level >= 0 (0 is the easiest)")
 flags.register_validator("seed", lambda s: s >= 0, "--seed: an integer >= 0 (as config.sft.task_seed)")
-flags.register_validator("out", lambda p: not os.path.isdir(p), "--out: a file path, not a directory")
+
+
+def _writable_file_path(path: str) -> bool:
+  """A file name (not empty, not a directory) whose nearest existing parent is a directory: the
+  tasks are generated before they are written, so what cannot be written is refused first."""
+  if not path.strip() or os.path.isdir(path) or path.endswith(os.sep):
+    return False
+  parent = Path(path).absolute().parent
+  while not parent.exists():
+    parent = parent.parent
+  return parent.is_dir()
+
+
+flags.register_validator("out", _writable_file_path,
+                         "--out: a file path (not empty, not a directory, not under a file)")
 
 
 def main(argv):

@@ -51,8 +51,11 @@ def main(argv):
   del argv
   config = _CONFIG.value
   cfg = model_config(config)
-  tok_path = _setting(config, _TOKENIZER, "tokenizer", None) or default_tokenizer_path(config.variant)
-  tokenizer = load_tokenizer(tok_path, model_vocab_size=cfg.vocab_size, image_token_id=cfg.image_token_id)
+  # --tokenizer overrides config.data.tokenizer, so it is the way out of any tokenizer error here
+  tok_path = (_setting(config, _TOKENIZER, "tokenizer", None)
+              or default_tokenizer_path(config.variant, field="--tokenizer"))
+  tokenizer = load_tokenizer(tok_path, model_vocab_size=cfg.vocab_size, image_token_id=cfg.image_token_id,
+                             field="--tokenizer")
   sources = data.parse_sources(_setting(config, _SOURCES, "sources", "stdlib=1.0"))
   out = _setting(config, _OUT, "prepared_dir", f"data/prepared/{config.variant}")
   t0 = time.perf_counter()

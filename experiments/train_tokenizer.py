@@ -49,6 +49,19 @@ def _out_path(config) -> str:
     raise SystemExit(f"--out is required for this config: {e}") from None
 
 
+def _check_out(out: epath.Path) -> None:
+  """Before training: an --out that cannot be written as a file (a directory, or a file where a
+  parent directory should be) ended the run after the training, with a traceback."""
+  if out.is_dir():
+    raise SystemExit(f"--out={out} is a directory; give the tokenizer file's path (e.g. "
+                     f"{out / 'tokenizer.json'}). Nothing was written.")
+  for parent in out.parents:
+    if parent.exists():
+      if not parent.is_dir():
+        raise SystemExit(f"--out={out}: {parent} is a file, not a directory. Nothing was written.")
+      return
+
+
 def _check_replace(out: epath.Path, data: bytes) -> None:
   """An existing tokenizer with other contents is replaced only with --overwrite.
 
@@ -71,6 +84,10 @@ def main(argv):
   config = _CONFIG.value
   vocab, image = config.model.vocab_size, config.model.image_token_id
   out = _out_path(config)
+  _check_out(epath.Path(out))
+  if _HELDOUT_BYTES.value < 1:  # 0 measured one whole held-out file, as if nothing were asked
+    raise SystemExit(f"--heldout_bytes={_HELDOUT_BYTES.value}: must be >= 1 (bytes of held-out text "
+                     "to measure; whole files are taken until that many).")
   if _MAX_BYTES.value < 1 << 16:
     raise SystemExit(f"--max_bytes={_MAX_BYTES.value}: train on at least {1 << 16} bytes of the corpus.")
   texts = tok_lib.stdlib_training_texts(_MAX_BYTES.value)

@@ -53,6 +53,17 @@ def test_best_peak_flops_and_sizes():
     common.best_peak_flops([], reps=2)
 
 
+def test_reps_must_be_at_least_one():
+  """--reps=0 compiled everything and then failed with `StatisticsError: no median for empty data`;
+  every benchmark's --reps / --repeats is now an int >= 1 (argparse type or absl lower bound)."""
+  assert common.positive_int("3") == 3
+  for bad in ("0", "-2", "1.5", "x"):
+    with pytest.raises(argparse.ArgumentTypeError, match="give an int >= 1"):
+      common.positive_int(bad)
+  with pytest.raises(ValueError, match=r"reps=0 must be >= 1 \(--reps\)"):
+    common.median_seconds(lambda: pytest.fail("ran"), (), 0)
+
+
 def test_report_cpu_prints_the_identity_it_returns(capsys):
   got = common.report_cpu()  # tests run on the CPU backend
   assert got == common.cpu_identity()

@@ -86,6 +86,15 @@ def test_a_typo_in_an_override_is_one_line_with_the_suggestion():
   assert "--config.model.num_layer=3" in run.stderr
 
 
+def test_an_unknown_variant_is_one_line_with_the_choices():
+  """absl printed the config file's traceback, embedded in its flag error, 10 lines of it."""
+  cmd = [sys.executable, "-m", "experiments.param_count", "--config=configs/horizon.py:tinny"]
+  run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+  assert ("FATAL flags error: flag --config=configs/horizon.py:tinny: Error whilst parsing config file: "
+          "ValueError: configs/horizon.py: unknown variant 'tinny'; choose one of") in run.stderr, run.stderr
+
+
 @pytest.mark.parametrize("field,value,fragment", [
     ("delta_v_heads", 3, "multiple of delta_qk_heads"),
     ("router_groups", 3, "must divide num_experts"),

@@ -32,3 +32,15 @@ def test_flags_config_data_and_defaults(tmp_path):
       {"documents": 3, "shards": 3, "weight": 1.0}
   shards = sorted(p.name for p in (tmp_path / "data" / "prepared" / "tiny").rglob("*.arrayrecord"))
   assert len(shards) == 3
+
+
+def test_tokenizer_errors_are_one_line_naming_the_flag_that_works(tmp_path):
+  """A variant without a bundled tokenizer was a traceback whose hint, --config.data.tokenizer, is
+  refused on configs/horizon.py (no data section); the flag that works is --tokenizer."""
+  cmd = [sys.executable, "-m", "experiments.prepare_data", f"--config={ROOT}/configs/horizon.py:full",
+         f"--out={tmp_path / 'out'}", "--max_docs=1"]
+  env = dict(os.environ, PYTHONPATH=str(ROOT))
+  run = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+  assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-2000:]
+  assert "FATAL TokenizerError: no bundled tokenizer for variant 'full'" in run.stderr
+  assert "pass --tokenizer=PATH" in run.stderr and not (tmp_path / "out").exists()

@@ -52,6 +52,7 @@ def no_training(monkeypatch):
     (dict(warmup_steps=-5), "--warmup_steps=-5: must be an int >= 0"),
     (dict(seq_len=-1), "--seq_len=-1: must be an int >= 0"),
     (dict(seq_len=8), "--seq_len=8: too short for the longest colour,count example"),
+    (dict(seq_len=257), "--seq_len=257: 257 tokens exceed config.model.max_seq_len=256"),  # trained on
     (dict(eval_examples=0), "--eval_examples=0: must be an int >= 2"),
     (dict(eval_examples=-3), "--eval_examples=-3: must be an int >= 2"),
     (dict(eval_examples=3, question_types=list(shapes.QUESTION_TYPES)),

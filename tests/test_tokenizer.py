@@ -243,8 +243,23 @@ def test_pickle_keeps_behaviour(tokenizers_by_variant, tmp_path):
 
 def test_default_tokenizer_path():
   assert tok_lib.default_tokenizer_path("tiny").endswith("training/assets/tokenizer_tiny.json")
-  with pytest.raises(ValueError, match=r"no bundled tokenizer for variant 'full'.*--config.data.tokenizer"):
+  with pytest.raises(tok_lib.TokenizerError, match=r"no bundled tokenizer for variant 'full'.*"
+                     r"--config.data.tokenizer=PATH"):
     tok_lib.default_tokenizer_path("full")
+  with pytest.raises(tok_lib.TokenizerError, match=r"'full'.*; pass --tokenizer=PATH"):
+    tok_lib.default_tokenizer_path("full", field="--tokenizer")
+
+
+def test_a_file_that_is_not_a_tokenizer_names_the_setting(tmp_path):
+  """A launcher prints a TokenizerError (a user error) as one line; the message names the setting
+  that chose the file. It was a bare ValueError / FileNotFoundError, a traceback at every launcher."""
+  bad = tmp_path / "notes.md"
+  bad.write_text("# not a tokenizer\n")
+  with pytest.raises(tok_lib.TokenizerError, match=r"notes.md is neither .*\(the tokenizer named by --tok\)"):
+    tok_lib.load_tokenizer(str(bad), field="--tok")
+  with pytest.raises(tok_lib.TokenizerNotFound, match="does not exist.*point --tok at") as e:
+    tok_lib.load_tokenizer(str(tmp_path / "absent.json"), field="--tok")
+  assert isinstance(e.value, FileNotFoundError) and isinstance(e.value, ValueError)
 
 
 def test_compression_on_heldout_code(tokenizers_by_variant, heldout):

@@ -54,3 +54,15 @@ def test_a_held_out_set_the_corpus_cannot_give_is_refused_before_training(tmp_pa
   assert run.returncode != 0, run.stdout[-2000:]
   assert "--max_bytes=65536 / --heldout_bytes=1000000000000: only " in run.stderr, run.stderr[-2000:]
   assert "Traceback" not in run.stderr and not list(tmp_path.iterdir())
+
+
+def test_an_out_that_cannot_be_a_file_and_no_held_out_bytes_are_refused_before_training(tmp_path):
+  """An --out that is a directory, or under a file, trained first and then failed with a traceback
+  (IsADirectoryError / FileExistsError); --heldout_bytes=0 or -5 measured one whole file."""
+  (tmp_path / "afile").write_text("x")
+  for flag, says in ((f"--out={tmp_path}", "is a directory; give the tokenizer file's path"),
+                     (f"--out={tmp_path / 'afile' / 'tok.json'}", "afile is a file, not a directory"),
+                     (f"--out={tmp_path / 'tok.json'}", "--heldout_bytes=0: must be >= 1")):
+    run = _train(flag, "--heldout_bytes=0" if "must be" in says else "--heldout_bytes=1000")
+    assert run.returncode != 0 and says in run.stderr and "Traceback" not in run.stderr, run.stderr[-2000:]
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]

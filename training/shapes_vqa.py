@@ -112,20 +112,26 @@ def train_config(config, tokenizer, cfg, *, steps: int, batch: int, learning_rat
   """config.train with the arguments' fields (`ARG_FIELDS`; seq_len 0 = `vqa_seq_len`), checked.
 
   Raises:
-    RunArgsError: a row of these question types does not fit seq_len, batch does not divide into
-      config.train.grad_accum micro-batches, or config.train fails TrainConfig's checks.
+    RunArgsError: a row of these question types does not fit seq_len, seq_len exceeds the model's
+      max_seq_len, batch does not divide into config.train.grad_accum micro-batches, or
+      config.train fails TrainConfig's checks.
   """
   shortest = min_seq_len(tokenizer, cfg, question_types)
   if seq_len and seq_len < shortest:
     raise RunArgsError(f"--seq_len={seq_len}: too short for the longest {','.join(question_types)} "
                        f"example ({shortest} next-token pairs); give >= {shortest}, or 0 for "
                        f"{vqa_seq_len(tokenizer, cfg)}.")
+  length = seq_len or vqa_seq_len(tokenizer, cfg)
+  if length > cfg.max_seq_len:  # positions past the model's (pretraining refuses it: training.loop)
+    raise RunArgsError(f"--seq_len={seq_len}{' (the default)' if not seq_len else ''}: {length} tokens "
+                       f"exceed config.model.max_seq_len={cfg.max_seq_len}; lower --seq_len or raise "
+                       "--config.model.max_seq_len.")
   train = dict(config.train.items())
   accum = train.get("grad_accum")
   if is_int(accum) and accum >= 1 and batch % accum:
     raise RunArgsError(f"--batch={batch}: must be divisible by config.train.grad_accum={accum} "
                        "(micro-batches per step); change --batch or --config.train.grad_accum.")
-  train.update(steps=steps, global_batch=batch, seq_len=seq_len or vqa_seq_len(tokenizer, cfg),
+  train.update(steps=steps, global_batch=batch, seq_len=length,
                learning_rate=learning_rate, warmup_steps=warmup_steps)
   try:
     return TrainConfig.from_config(train)

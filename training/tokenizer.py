@@ -343,6 +343,15 @@ def tokenizer_from_bytes(data: bytes, path: str = "<bytes>", model_vocab_size: i
   return tok
 
 
+class TokenizerError(ValueError):
+  """A tokenizer that cannot be used (no bundled one for the variant, a file that is not a
+  tokenizer): the message names the file, the setting that chose it and the fix."""
+
+
+class TokenizerNotFound(TokenizerError, FileNotFoundError):
+  """The tokenizer file does not exist."""
+
+
 def load_tokenizer(path: str, model_vocab_size: int | None = None,
                    image_token_id: int | None = None, field: str = "--config.data.tokenizer") -> Tokenizer:
   """Loads a tokenizer.json or tiktoken rank file (local path or URL, e.g. gs://).
@@ -357,25 +366,32 @@ def load_tokenizer(path: str, model_vocab_size: int | None = None,
     field: the setting that names `path`, for the error (the server's is config.serving.tokenizer).
 
   Raises:
-    FileNotFoundError: `path` does not exist.
-    ValueError: the file is neither format, or a check above fails.
+    TokenizerNotFound (a FileNotFoundError): `path` does not exist.
+    TokenizerError (a ValueError): the file is neither format.
+    ConfigError: a check against the model above fails.
   """
   p = epath.Path(path)
   if p.is_dir() and (p / "tokenizer.json").exists():
     p = p / "tokenizer.json"
   if not p.exists() or p.is_dir():
-    raise FileNotFoundError(
+    raise TokenizerNotFound(
         f"tokenizer file {str(path)!r} does not exist. Create one with `{_CREATE_HINT}`, or point "
         f"{field} at an existing tokenizer.json / .tiktoken file.")
-  return tokenizer_from_bytes(p.read_bytes(), str(p), model_vocab_size, image_token_id)
+  try:
+    return tokenizer_from_bytes(p.read_bytes(), str(p), model_vocab_size, image_token_id)
+  except ConfigError:
+    raise
+  except ValueError as e:  # what the file holds; the setting that named it is the way out
+    raise TokenizerError(f"{e} (the tokenizer named by {field})") from None
 
 
-def default_tokenizer_path(variant: str) -> str:
-  """The tokenizer bundled for a configs/horizon.py variant (training/assets/)."""
+def default_tokenizer_path(variant: str, field: str = "--config.data.tokenizer") -> str:
+  """The tokenizer bundled for a configs/horizon.py variant (training/assets/); a TokenizerError
+  (a ValueError) naming `field`, the setting that would give one, for a variant without one."""
   if variant not in _BUNDLED:
-    raise ValueError(
+    raise TokenizerError(
         f"no bundled tokenizer for variant {variant!r} (bundled: {sorted(_BUNDLED)}); pass "
-        f"--config.data.tokenizer=PATH, or train one with `{_CREATE_HINT}`.")
+        f"{field}=PATH, or train one with `{_CREATE_HINT}`.")
   return str(ASSETS_DIR / _BUNDLED[variant])
 
 

@@ -76,6 +76,8 @@ def compiled_peak_bytes(compiled) -> int:
 
 def median_seconds(compiled, args, reps: int, warmup: bool = True) -> float:
   """Median wall time of `reps` calls of a compiled program (blocking on results)."""
+  if reps < 1:
+    raise ValueError(f"median_seconds: reps={reps} must be >= 1 (--reps)")
   if warmup:
     jax.block_until_ready(compiled(*args))
   times = []
@@ -105,6 +107,18 @@ def best_peak_flops(sizes: list[int], reps: int, dtype: str = "bfloat16") -> tup
   if not sizes:
     raise ValueError("best_peak_flops: sizes is empty; give at least one matmul size.")
   return max((metrics.measure_peak_flops(n, reps, dtype=dtype), n) for n in sizes)
+
+
+def positive_int(text: str) -> int:
+  """argparse type for counts such as --reps: an int >= 1 (0 timed runs had no median: a
+  StatisticsError after the compile)."""
+  try:
+    value = int(text)
+  except ValueError:
+    value = 0
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"{text!r}: give an int >= 1")
+  return value
 
 
 def matmul_sizes(text: str) -> list[int]:

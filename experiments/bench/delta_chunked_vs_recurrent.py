@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.bench.common import compiled_peak_bytes, skip_message
+from experiments.bench.common import compiled_peak_bytes, positive_int, skip_message
 from model.attention.delta_rule import CHUNKS_PER_STEP, chunk_gated_delta_rule, recurrent_gated_delta_rule
 
 BEFORE_REV = "f1bcca2"  # the last commit before issue 16's delta-rule change
@@ -191,7 +191,7 @@ def main() -> None:
   p.add_argument("--chunk", type=int, default=32, help="tokens per chunk (small config: 32)")
   p.add_argument("--chunks_per_step", type=int, default=CHUNKS_PER_STEP,
                  help="chunks per scan step of the chunked form")
-  p.add_argument("--reps", type=int, default=7)
+  p.add_argument("--reps", type=positive_int, default=7)
   p.add_argument("--before_rev", default=BEFORE_REV, help="git revision of the 'before' chunked form; "
                  "empty to leave it out")
   p.add_argument("--mode", choices=("fwd", "fwd_bwd"), default="fwd",

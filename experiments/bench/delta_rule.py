@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments.bench.common import positive_int
 from experiments.bench.delta_chunked_vs_recurrent import _inputs, _with_grad, measure_forms
 from model.attention.delta_rule import chunk_gated_delta_rule as xla_rule
 from pallas_kernels.delta_rule import chunk_gated_delta_rule as pallas_rule
@@ -71,7 +72,7 @@ def main() -> None:
   p.add_argument("--kd", type=int, default=48)
   p.add_argument("--vd", type=int, default=48)
   p.add_argument("--chunk", type=int, default=32)
-  p.add_argument("--reps", type=int, default=5)
+  p.add_argument("--reps", type=positive_int, default=5)
   p.add_argument("--mode", choices=("fwd", "fwd_bwd"), default="fwd",
                  help="time the forward, or forward + backward (training)")
   args = p.parse_args()

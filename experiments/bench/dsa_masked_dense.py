@@ -35,6 +35,7 @@ import numpy as np
 from flax import nnx
 
 from configs import horizon
+from experiments.bench.common import positive_int
 from model.attention.dsa import GatedDSA
 from model.config import ModelConfig
 
@@ -92,7 +93,7 @@ def main() -> None:
   p.add_argument("--quick", action="store_true", help="tiny config, 2 x 64 tokens")
   p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
   p.add_argument("--tokens", type=int, default=8192, help="tokens per call (rows = tokens / length)")
-  p.add_argument("--reps", type=int, default=3)
+  p.add_argument("--reps", type=positive_int, default=3)
   a = p.parse_args()
   variant = "tiny" if a.quick else a.variant
   cfg = ModelConfig.from_config(horizon.get_config(variant).model).replace(remat="none")

@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.bench.common import compiled_peak_bytes, skip_message
+from experiments.bench.common import compiled_peak_bytes, positive_int, skip_message
 from model.attention import sparse
 from model.attention.flash import flash_mqa_attention
 
@@ -191,7 +191,7 @@ def main() -> None:
   ap.add_argument("--flash_query_block", type=int, default=64)
   ap.add_argument("--flash_key_block", type=int, default=512)
   ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-  ap.add_argument("--reps", type=int, default=3, help="timed runs (median) per program ...")
+  ap.add_argument("--reps", type=positive_int, default=3, help="timed runs (median) per program ...")
   ap.add_argument("--reps_max_n", type=int, default=4096, help="... up to this N; longer ones run once")
   ap.add_argument("--mem_limit_gib", type=float, default=12.0)
   ap.add_argument("--plan_only", action="store_true", help="only compile and print each program's bytes")

@@ -32,7 +32,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from experiments.bench.common import compiled_peak_bytes, skip_message
+from experiments.bench.common import compiled_peak_bytes, positive_int, skip_message
 from model import moe_experts
 
 CONFIGS = {"e64k6": dict(tokens=4096, d=512, f=256, experts=64, topk=6),
@@ -130,7 +130,7 @@ def main() -> None:
   p.add_argument("--tokens", type=int, help="override the config's token count")
   p.add_argument("--impls", default="blocked,grouped",
                  help="dropless impls timed against dense (add ragged_dot to see XLA:CPU's masked dense)")
-  p.add_argument("--reps", type=int, default=3)
+  p.add_argument("--reps", type=positive_int, default=3)
   p.add_argument("--dtypes", default="float32,bfloat16")
   # 8 GiB, not 16: XLA:CPU's resident memory ran above memory_analysis() here
   # (16.9 GB RSS for a 15.3 GiB case) on a 24 GiB machine shared with others.

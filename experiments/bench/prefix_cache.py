@@ -38,7 +38,8 @@ from serving.types import Message, SamplingParams, TextPart, Tool, ToolCall
 
 _QUICK = quick_flag("tiny model, a short conversation.")
 _TURNS = flags.DEFINE_integer("turns", 8, "Assistant turns.")
-_REPS = flags.DEFINE_integer("reps", 3, "Repetitions (each on a fresh cache); medians reported.")
+_REPS = flags.DEFINE_integer("reps", 3, "Repetitions (each on a fresh cache); medians reported.",
+                            lower_bound=1)
 
 TOOLS = [Tool("shell", "Run a shell command in the workspace and return its output.",
               {"type": "object", "properties": {"command": {"type": "string", "description": "The command."}},

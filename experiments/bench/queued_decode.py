@@ -34,7 +34,8 @@ _PROMPT = flags.DEFINE_integer("prompt", 64, "Prompt tokens per request.")
 _MIN = flags.DEFINE_integer("min_tokens", 16, "Fewest generated tokens per request.")
 _MAX = flags.DEFINE_integer("max_tokens", 64, "Most generated tokens per request.")
 _STEPS = flags.DEFINE_integer("decode_steps", 8, "Most decode steps per device call.")
-_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs per engine (the median is reported).")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs per engine (the median is reported).",
+                                lower_bound=1)
 
 
 class _OneStepWhileWaiting(Engine):

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments.bench.common import positive_int
 from rl.train import batch as batch_lib
 from rl.train import objectives as obj_lib
 from rl.train import update as update_lib
@@ -119,7 +120,7 @@ def main() -> None:
   p.add_argument("--init_checkpoint", default=None, help="policy weights (an SFT run's checkpoints)")
   p.add_argument("--mixture", default=None, help="config.rl.mixture (default: the config's)")
   p.add_argument("--prompts", type=int, default=None, help="config.rl.prompts_per_step")
-  p.add_argument("--reps", type=int, default=2)
+  p.add_argument("--reps", type=positive_int, default=2)
   args = p.parse_args()
   from configs import rl as rl_config
   from rl.train.trainer import RLRun

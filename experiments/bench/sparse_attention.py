@@ -28,7 +28,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from experiments.bench.common import compiled_peak_bytes, median_seconds, skip_message
+from experiments.bench.common import compiled_peak_bytes, median_seconds, positive_int, skip_message
 from model.attention import sparse
 from pallas_kernels.indexer_topk import ops as topk_ops
 from pallas_kernels.sparse_attention import ops as attn_ops
@@ -119,7 +119,7 @@ def main() -> None:
   ap.add_argument("--query_block", type=int, default=128)
   ap.add_argument("--key_block", type=int, default=256)
   ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-  ap.add_argument("--reps", type=int, default=3)
+  ap.add_argument("--reps", type=positive_int, default=3)
   ap.add_argument("--mem_limit_gib", type=float, default=16.0)
   args = ap.parse_args()
   if args.quick:

@@ -149,7 +149,7 @@ def main() -> None:
   p.add_argument("--backward", default="compute,plain",
                  help="compute: backward products in the compute dtype (the policy); plain: plain "
                       "autodiff's f32 backward products (the baseline)")
-  p.add_argument("--reps", type=int, default=5, help="timed steps (median reported)")
+  p.add_argument("--reps", type=common.positive_int, default=5, help="timed steps (median reported)")
   p.add_argument("--peak_n", type=common.matmul_sizes, default=[1024, 2048],
                  help="comma-separated matmul sizes of the peak measurement (the best is the peak)")
   p.add_argument("--max_gib", type=float, default=16.0, help="skip cases planned above this")

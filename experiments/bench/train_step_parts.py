@@ -44,7 +44,7 @@ import optax
 from flax import nnx
 
 from configs import horizon
-from experiments.bench.common import best_peak_flops, matmul_sizes, median_seconds, report_cpu
+from experiments.bench.common import best_peak_flops, matmul_sizes, median_seconds, positive_int, report_cpu
 from experiments.bench.train_step import _batch
 from model import flops
 from model.config import ModelConfig
@@ -189,7 +189,7 @@ def main() -> None:
                  help="model config (configs/horizon.py); agent: the RL/SFT model, 8 x 256 unless --seq_len")
   p.add_argument("--batch", type=int, default=0, help="sequences per step (0: config / --quick)")
   p.add_argument("--seq_len", type=int, default=0, help="tokens per sequence (0: config / --quick)")
-  p.add_argument("--reps", type=int, default=5, help="timed calls per part (median reported)")
+  p.add_argument("--reps", type=positive_int, default=5, help="timed calls per part (median reported)")
   p.add_argument("--peak_n", type=matmul_sizes, default=[1024, 2048],
                  help="comma-separated matmul sizes of the peak measurement (the best is the peak)")
   print(json.dumps(run(p.parse_args())), flush=True)

@@ -36,7 +36,7 @@ def test_heldout_tasks_at_each_domains_top_level_and_the_seed(tmp_path):
 def test_out_in_a_new_folder_is_made_and_bad_out_or_seed_refused_before_generating(tmp_path):
   """--out in a folder that did not exist was a FileNotFoundError naming the hidden temp file; a folder
   as --out failed in os.replace after generating; --seed=-1 wrote ids 's-1' (config.sft.task_seed
-  refuses it)."""
+  refuses it); an empty --out or one under a file failed after generating, with a traceback."""
   def make(*args):
     return subprocess.run([sys.executable, "-m", "experiments.make_tasks", "--domain=math", "--n=1", *args],
                           cwd=ROOT, env=subprocess_env(1), capture_output=True, text=True, timeout=300)
@@ -45,8 +45,11 @@ def test_out_in_a_new_folder_is_made_and_bad_out_or_seed_refused_before_generati
   run = make(f"--out={out}")
   assert run.returncode == 0, run.stderr[-2000:]
   assert [t.id for t in load_tasks(out)] == ["math-train-d0-s0-00000"]
-  for args, why in (([f"--out={tmp_path}"], "--out: a file path, not a directory"),
+  (tmp_path / "afile").write_text("")
+  bad_out = "--out: a file path (not empty, not a directory, not under a file)"
+  for args, why in (([f"--out={tmp_path}"], bad_out), (["--out="], bad_out),
+                    ([f"--out={tmp_path / 'afile' / 'x.jsonl'}"], bad_out),
                     ([f"--out={tmp_path / 'x.jsonl'}", "--seed=-1"], "--seed: an integer >= 0")):
     run = make(*args)
     assert run.returncode != 0 and why in run.stderr and "Traceback" not in run.stderr, run.stderr[-2000:]
-  assert sorted(p.name for p in tmp_path.iterdir()) == ["new"]
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "new"]
