@@ -29,7 +29,8 @@ softmax and other elementwise work are not counted):
 Training costs 3 x the forward (backward = 2 x forward, the convention of
 Kaplan et al. 2020 and PaLM), which slightly over-counts the detached indexer
 (no input gradient, no backward through the top-k scoring). Rematerialisation
-adds recomputed forward work: `remat='full'` recomputes every block (4 x);
+adds recomputed forward work: `remat='full'` recomputes every block (~4 x; the
+LM head and embedding sit outside the blocks and are not recomputed);
 `'save_dots'` keeps dots without batch dimensions and recomputes the rest (the
 attention, indexer-score and Delta-chunk dots, the head-batched absorbed MLA
 dots and the routed experts' batched/ragged matmuls). 'train' includes that
@@ -141,7 +142,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
     WEIGHT_COMPONENTS and SEQUENCE_COMPONENTS, plus 'weights' (the weight part),
     'sequence' (the sequence part), 'forward' (their sum), 'train_model'
     (3 x forward), 'recompute' (the remat policy's recomputed forward work) and
-    'train' (train_model + recompute: 4 x forward for remat='full').
+    'train' (train_model + recompute: 4 x forward less the LM head for remat='full').
   """
   if not is_int(seq_len, numpy=True) or seq_len < 1:
     raise ValueError(f"flops_per_token: seq_len={seq_len!r} must be a positive int (tokens per row).")
@@ -161,8 +162,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
   out["sequence"] = sum(out[n] for n in SEQUENCE_COMPONENTS)
   out["forward"] = out["weights"] + out["sequence"]
   out["train_model"] = 3.0 * out["forward"]
-  if cfg.remat == "full":
-    out["recompute"] = out["forward"]
+  if cfg.remat == "full":  # every block again; the LM head (and embedding) run outside them once
+    out["recompute"] = out["forward"] - out["lm_head"] - out["embedding"]
   elif cfg.remat == "save_dots":
     out["recompute"] = absorbed + sum(out[n] for n in _SAVE_DOTS_RECOMPUTE)
   else:
