@@ -15,19 +15,7 @@ from tests.helpers import isolation_unavailable
 MiB = 2 ** 20
 
 
-@pytest.fixture(scope="module")
-def small():
-  try:
-    return Sandbox(memory_mb=128, max_pids=32, output_limit_bytes=1000, timeout_s=5.0, tmp_mb=1,
-                   file_size_mb=1)
-  except SandboxUnavailable as e:
-    isolation_unavailable(f"nsjail cannot run here: {e}")
-
-
-@pytest.fixture(scope="module")
-def unsafe():
-  with pytest.warns(RuntimeWarning, match="SANDBOX DISABLED"):
-    return Sandbox(nsjail="/nonexistent/nsjail", allow_unsafe=True, output_limit_bytes=1000, file_size_mb=1)
+# The `small` (nsjail) and `unsafe` sandboxes: tests/rl/conftest.py.
 
 
 # ---- the sandbox ---------------------------------------------------------------------------
