@@ -216,21 +216,23 @@ class Environment(abc.ABC):
       return ToolResult(f"Error: the arguments of {call.name} are not valid JSON ({e.msg}).", error=True)
     except RecursionError:
       return ToolResult(f"Error: the arguments of {call.name} are nested too deeply to read.", error=True)
+    except ValueError as e:  # not a JSONDecodeError: an integer past Python's 4300-digit limit
+      return ToolResult(clip(f"Error: the arguments of {call.name} are not valid JSON ({e})."), error=True)
     if not isinstance(arguments, dict):
       return ToolResult(f"Error: the arguments of {call.name} must be a JSON object.", error=True)
     try:
       problems = validate_arguments(tools[call.name].parameters, arguments)
     except RecursionError:
       return ToolResult(f"Error: the arguments of {call.name} are nested too deeply to check.", error=True)
-    if problems:
-      return ToolResult(f"Error: bad arguments for {call.name}: " + "; ".join(problems[:5]), error=True)
+    if problems:  # clipped: a message quotes the bad value, which may be 100 KB
+      return ToolResult(clip(f"Error: bad arguments for {call.name}: " + "; ".join(problems[:5])), error=True)
     try:
       return ToolResult(clip(self._call(call.name, arguments)))
     except ToolError as e:
       return ToolResult(clip(f"Error: {e}"), error=True)
     except Exception as e:  # a tool bug must not end the episode; it is logged for us
       _log.exception("tool %s crashed on task %s", call.name, self.task.id)
-      return ToolResult(f"Error: {call.name} failed internally ({type(e).__name__}: {e}).", error=True)
+      return ToolResult(clip(f"Error: {call.name} failed internally ({type(e).__name__}: {e})."), error=True)
 
 
 class DirectoryEnvironment(Environment):

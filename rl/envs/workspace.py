@@ -20,8 +20,9 @@ class WorkspaceEnvironment(DirectoryEnvironment):
   """A directory seeded with the task's `files`, and shell/read_file/write_file over it."""
 
   def __init__(self, task: Task, ctx: EnvContext):
+    sandbox = Sandbox.from_context(ctx)  # first: a sandbox that cannot start leaves no directory behind
     super().__init__(task, ctx)
-    self.sandbox = Sandbox.from_context(ctx)
+    self.sandbox = sandbox
     self.files = FileTools(self.dir, self.sandbox)
 
   def reset(self) -> tuple[str, list[Tool]]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import os
 import posixpath
+import secrets
 import stat
 from collections.abc import Mapping
 from pathlib import Path
@@ -28,6 +29,7 @@ from serving.types import Tool
 
 MAX_READ_BYTES = 1 << 20  # read_file reads at most this much (the result is clipped later anyway)
 MAX_WRITE_BYTES = 4 << 20
+MAX_COMMAND_BYTES = 1 << 17  # Linux's limit on one argument string (MAX_ARG_STRLEN), NUL included
 
 SHELL = Tool(
   name="shell",
@@ -91,7 +93,12 @@ def read_text(root: Path, path: str) -> str:
   if target.is_dir():
     raise ToolError(f"{path!r} is a directory; read a file in it (shell('ls {path}') lists them)")
   real = os.path.realpath(target)
-  if not stat.S_ISREG(os.stat(real).st_mode):  # a FIFO would block this thread for good
+  try:
+    mode = os.stat(real).st_mode
+  except OSError as e:  # a symlink to nothing, or a loop of links
+    raise ToolError(f"{path!r} is a symlink that leads to no file ({e.strerror}); read its target "
+                    f"instead (shell('ls -l {path}') shows it)") from None
+  if not stat.S_ISREG(mode):  # a FIFO would block this thread for good
     raise ToolError(f"{path!r} is not a regular file (a pipe, socket or device); read it with shell")
   with open(real, "rb") as f:
     data = f.read(MAX_READ_BYTES + 1)
@@ -150,13 +157,23 @@ def _make_parents(root: Path, target: Path, replace: bool) -> None:
 
 
 def _write_bytes(root: Path, target: Path, data: bytes, replace_parents: bool = False) -> None:
+  """Writes a new file beside `target` and renames it over it, so a write that fails (a full task
+  directory) leaves the old file whole; a link or FIFO at `target` is replaced itself, never
+  followed or opened. An existing file's mode (an executable script's) is kept."""
   _make_parents(root, target, replace_parents)
-  if os.path.lexists(target) and not stat.S_ISREG(os.lstat(target).st_mode):
-    target.unlink()  # a link is replaced itself, never its target; a FIFO would block the open
-  fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
-  with os.fdopen(fd, "wb") as f:
-    give_to_sandbox(fd)
-    f.write(data)
+  old = os.lstat(target) if os.path.lexists(target) else None
+  tmp = target.with_name(f".write_file.{secrets.token_hex(6)}.tmp")
+  fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+  try:
+    with os.fdopen(fd, "wb") as f:
+      give_to_sandbox(fd)
+      if old is not None and stat.S_ISREG(old.st_mode):
+        os.fchmod(fd, stat.S_IMODE(old.st_mode))
+      f.write(data)
+    os.replace(tmp, target)
+  except BaseException:
+    tmp.unlink(missing_ok=True)
+    raise
 
 
 def format_exec(result: ExecResult, limit_note: int) -> str:
@@ -194,6 +211,9 @@ class FileTools:
       if "\x00" in arguments["command"]:  # subprocess would raise ValueError (embedded null byte)
         raise ToolError("the command contains a NUL byte, which no shell command line can hold; remove it "
                         "(printf '\\0' writes one into a file)")
+      if len(arguments["command"].encode()) >= MAX_COMMAND_BYTES:  # exec would fail with E2BIG
+        raise ToolError(f"the command is {len(arguments['command'].encode())} bytes; a command line holds "
+                        f"under {MAX_COMMAND_BYTES}. Write a script with write_file and run it with shell")
       result = self.sandbox.run(arguments["command"], self.root)
       text = format_exec(result, self.sandbox.output_limit_bytes)
       if result.timed_out:  # an error result: the model must see that nothing finished

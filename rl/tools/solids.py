@@ -97,6 +97,9 @@ def parse_solid(value: Any, field: str = "solid") -> dict[str, Any]:
                        f"expected a solid such as {{\"box\": [1, 2, 3]}}") from None
     except RecursionError:
       raise SolidError(_TOO_DEEP.format(field=field)) from None
+    except ValueError as e:  # not a JSONDecodeError: an integer past Python's 4300-digit limit
+      raise SolidError(f"{field} is not valid JSON ({e}); expected a solid such as "
+                       "{\"box\": [1, 2, 3]}") from None
   try:
     validate_solid(value, field, field)
   except RecursionError:
