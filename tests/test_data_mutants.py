@@ -148,3 +148,44 @@ def test_same_size_edit_with_a_new_mtime_rebuilds(tmp_path, tok):
   os.utime(doc, ns=(st.st_atime_ns, st.st_mtime_ns + 7_000_000_000))
   m = data.prepare(srcs, tok, out, log=lambda s: None)
   assert m["rebuilt"] == ["text_0"]
+
+
+def test_weights_are_shares_of_the_tokens_not_of_the_documents(tmp_path, tok):
+  """Two sources at weight 0.5, one of 9-token documents and one of ~400: the short one got 2% of
+  the trained tokens (documents were drawn 1:1). Now each gets half of the tokens."""
+  for name, letter, words in (("a", "x", 4), ("b", "q", 200)):
+    (tmp_path / name).mkdir()
+    for i in range(40):
+      (tmp_path / name / f"{i}.txt").write_text((letter + " ") * words)
+  out = tmp_path / "p"
+  data.prepare(data.parse_sources(f"text:{tmp_path}/a/*=0.5;text:{tmp_path}/b/*=0.5"), tok, out,
+               log=lambda s: None)
+  x_ids = list(set(tok.encode("x x ")) - set(tok.encode("q q ")))
+  q_ids = list(set(tok.encode("q q ")) - set(tok.encode("x x ")))
+  it = iter(data.make_lm_dataset(out, None, 64, 8, seed=0))
+  toks = np.concatenate([next(it)["inputs"].ravel() for _ in range(50)])
+  from_a = np.isin(toks, x_ids).sum() / np.isin(toks, x_ids + q_ids).sum()
+  assert abs(from_a - 0.5) < 0.05, from_a
+
+
+def test_a_glob_over_the_output_and_a_doubled_star_read_each_file_once(tmp_path, tok):
+  """`text:D/**` with the output under D tokenized the previous run's shards and manifest as text
+  (rebuilt on every run, never up to date); `**/**` listed a file once per way of matching it."""
+  docs = tmp_path / "D"
+  (docs / "a").mkdir(parents=True)
+  (docs / "x.txt").write_text("one two three\n")
+  (docs / "a" / "y.txt").write_text("four five\n")
+  assert [p.name for p in data.source_files(data.parse_sources(f"text:{docs}/**/**/*.txt")[0])] == [
+      "y.txt", "x.txt"]
+  sources = data.parse_sources(f"text:{docs}/**")
+  first = data.prepare(sources, tok, docs / "p", log=lambda s: None)
+  again = data.prepare(sources, tok, docs / "p", log=lambda s: None)
+  assert first["sources"]["text_0"]["documents"] == 2 and again["up_to_date"], again
+
+
+@pytest.mark.parametrize("seed", [-1, 0.5, True])
+def test_a_shuffle_seed_that_is_not_an_int_is_named_first(prepared, seed):
+  """-1 and 0.5 started the pipeline and failed at the first batch (first_fit) or were taken as
+  they came (concat)."""
+  with pytest.raises(data.DataError, match=r"seed=.* must be an int >= 0 \(config.data.shuffle_seed\)"):
+    data.make_lm_dataset(prepared[1], None, 32, 2, seed=seed, packing="first_fit")

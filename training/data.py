@@ -19,10 +19,12 @@ Two stages, so that tokenization (slow, done once) is separate from reading
    per source `MapDataset.source(ArrayRecordDataSource)` -> this process's
    slice `[process_index::process_count]` (processes read disjoint documents)
    -> `shuffle(seed)` (a new permutation each epoch) -> `repeat()`; the
-   sources are combined by `MapDataset.mix` in proportion to their weights;
-   then packing and batching. Every stage is index-based or checkpoints its
-   own state, so `iter(ds).get_state()` is a small JSON-able dict and
-   `set_state` resumes bit-exactly.
+   sources are combined by `MapDataset.mix` so that each one's share of the
+   tokens is its weight (documents are drawn in proportion to weight / mean
+   tokens per document, from the manifest); then packing and batching.
+   Every stage is index-based or checkpoints its own state, so
+   `iter(ds).get_state()` is a small JSON-able dict and `set_state` resumes
+   bit-exactly.
 
 Packing. A document d (tokens ending in eos) becomes the next-token pair
 inputs = d[:-1], targets = d[1:], so no target ever crosses into another
@@ -47,6 +49,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 from typing import Any, Callable, Iterator, Sequence
 
@@ -205,6 +208,14 @@ def _build_source(out: epath.Path, source: Source, files, tokenizer, config: dic
   return meta
 
 
+def _outside(files: list, out: epath.Path) -> list:
+  """The files not under the output directory (local paths; remote ones are kept)."""
+  if "://" in str(out):
+    return files
+  root = os.path.realpath(out)
+  return [f for f in files if "://" in str(f) or not os.path.realpath(f).startswith(root + os.sep)]
+
+
 def _check_ours(out: epath.Path, sources: Sequence[Source]) -> None:
   """Refuses an output directory whose manifest or source folders `prepare` did not write.
 
@@ -255,8 +266,9 @@ def prepare(sources: Sequence[Source], tokenizer, out_dir, docs_per_shard: int =
   _check_ours(out, sources)
   out.mkdir(parents=True, exist_ok=True)
   tok = tokenizer_info(tokenizer)
-  # Every source's files first: a source matching nothing fails before any is tokenized.
-  inputs = [(source, source_files(source)) for source in sources]
+  # Every source's files first: a source matching nothing fails before any is tokenized. Files
+  # under the output directory are never inputs (a glob over its parent read the shards as text).
+  inputs = [(source, _outside(source_files(source), out)) for source in sources]
   entries, rebuilt = {}, []
   for source, files in inputs:
     config = _source_config(source, docs_per_shard, max_docs)
@@ -384,6 +396,14 @@ def _mixture_weights(manifest: dict, weights: dict[str, float] | None) -> dict[s
   return used
 
 
+def _document_rates(manifest: dict, used: dict[str, float], names: list[str]) -> list[float]:
+  """Per source, the rate `MapDataset.mix` draws its documents at so that its share of the tokens
+  is its weight: weight / mean tokens per document (a weight read as a share of documents gave a
+  source of 9-token documents 2% of the tokens at weight 0.5 beside one of 400-token documents)."""
+  entries = manifest["sources"]
+  return [used[n] * entries[n]["documents"] / max(entries[n]["tokens"], 1) for n in names]
+
+
 def make_lm_dataset(prepared_dir, weights: dict[str, float] | None, seq_len: int,
                     batch_size_per_process: int, seed: int, process_index: int = 0,
                     process_count: int = 1, packing: str = "concat", *, checksum: bool = True,
@@ -406,12 +426,14 @@ def make_lm_dataset(prepared_dir, weights: dict[str, float] | None, seq_len: int
   if not 0 <= process_index < process_count:
     raise DataError(f"make_lm_dataset: process_index={process_index} must be in "
                     f"[0, process_count={process_count}).")
+  if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+    raise DataError(f"make_lm_dataset: seed={seed!r} must be an int >= 0 (config.data.shuffle_seed).")
   manifest = load_manifest(prepared_dir)
   used = _mixture_weights(manifest, weights)
   names = sorted(used)
   parts = [_source_dataset(prepared_dir, n, manifest["sources"][n], _source_seed(seed, n),
                            process_index, process_count, checksum) for n in names]
-  mixed = grain.MapDataset.mix(parts, [used[n] for n in names]) if len(parts) > 1 else parts[0]
+  mixed = grain.MapDataset.mix(parts, _document_rates(manifest, used, names)) if len(parts) > 1 else parts[0]
   ds = mixed.to_iter_dataset(grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=64))
   lengths = {"inputs": int(seq_len), "targets": int(seq_len)}
   if packing == "concat":

@@ -38,7 +38,7 @@ class Source:
   """One corpus: `kind` stdlib | text | jsonl, files matching `pattern`.
 
   `field` is the JSON key holding a jsonl document's text; `weight` its share
-  of the mixture (relative; normalised over the sources used).
+  of the mixture's tokens (relative; normalised over the sources used).
   """
   name: str
   kind: str
@@ -128,7 +128,8 @@ def _glob(pattern: str) -> list[epath.Path]:
   """Local globs may use '**' (recursive); remote ones (gs://...) one level of wildcards."""
   if "://" not in pattern:
     pattern = os.path.expanduser(pattern)  # quoted specs reach us with '~' unexpanded
-    return sorted(epath.Path(p) for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
+    # a set: '**/**' lists a file once per way of matching it
+    return sorted({epath.Path(p) for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)})
   path = epath.Path(pattern)
   parts = path.parts
   first = next((i for i, p in enumerate(parts) if re.search(r"[*?\[]", p)), None)
