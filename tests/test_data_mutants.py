@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 from array_record.python import array_record_module
+from etils import epath
 
 from training import data
 from training.tokenizer import default_tokenizer_path, load_tokenizer
@@ -189,3 +190,28 @@ def test_a_shuffle_seed_that_is_not_an_int_is_named_first(prepared, seed):
   they came (concat)."""
   with pytest.raises(data.DataError, match=r"seed=.* must be an int >= 0 \(config.data.shuffle_seed\)"):
     data.make_lm_dataset(prepared[1], None, 32, 2, seed=seed, packing="first_fit")
+
+
+def test_a_rebuild_killed_while_removing_the_old_folder_restarts(tmp_path, tok, monkeypatch):
+  """The old source folder was removed in place: a kill after its source.json went left a folder
+  the next prepare refused as not its own, so a preempted launch could not restart."""
+  _docs(tmp_path / "a", 5, seed=1)
+  out, srcs = tmp_path / "p", data.parse_sources(f"text:{tmp_path}/a/*.txt=1")
+  data.prepare(srcs, tok, out, log=lambda s: None)
+  (tmp_path / "a" / "new.txt").write_text("a changed input rebuilds the source\n")
+  cls = type(epath.Path(out))
+  real = cls.rmtree
+
+  def killed(self, *args, **kwargs):
+    if (self / data.SOURCE_META_NAME).exists():
+      (self / data.SOURCE_META_NAME).unlink()
+      raise KeyboardInterrupt  # the kill, mid-removal
+    return real(self, *args, **kwargs)
+
+  monkeypatch.setattr(cls, "rmtree", killed)
+  with pytest.raises(KeyboardInterrupt):
+    data.prepare(srcs, tok, out, log=lambda s: None)
+  monkeypatch.undo()
+  again = data.prepare(srcs, tok, out, log=lambda s: None)
+  assert again["sources"]["text_0"]["documents"] == 6 and sorted(p.name for p in out.iterdir()) == [
+      data.MANIFEST_NAME, "text_0"]

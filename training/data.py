@@ -201,10 +201,14 @@ def _build_source(out: epath.Path, source: Source, files, tokenizer, config: dic
   meta = {"format": FORMAT_VERSION, "config": config, "tokenizer": tok, "input_fingerprint": fp,
           "documents": stats["documents"], "tokens": stats["tokens"], "shards": shards}
   (partial / SOURCE_META_NAME).write_text(json.dumps(meta, indent=1))
-  final_dir = out / source.name
+  # The old folder is renamed away first and removed last: a kill mid-rmtree left a source folder
+  # without its source.json, which the next prepare refused as not its own (no restart).
+  final_dir, old = out / source.name, out / f".{source.name}.old"
   if final_dir.exists():
-    final_dir.rmtree()
+    final_dir.rename(old)
   partial.rename(final_dir)
+  if old.exists():
+    old.rmtree()
   return meta
 
 
@@ -266,6 +270,9 @@ def prepare(sources: Sequence[Source], tokenizer, out_dir, docs_per_shard: int =
   _check_ours(out, sources)
   out.mkdir(parents=True, exist_ok=True)
   tok = tokenizer_info(tokenizer)
+  for source in sources:  # what a rebuild killed while removing the old folder left behind
+    if (out / f".{source.name}.old").exists():
+      (out / f".{source.name}.old").rmtree()
   # Every source's files first: a source matching nothing fails before any is tokenized. Files
   # under the output directory are never inputs (a glob over its parent read the shards as text).
   inputs = [(source, _outside(source_files(source), out)) for source in sources]
