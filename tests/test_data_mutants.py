@@ -215,3 +215,16 @@ def test_a_rebuild_killed_while_removing_the_old_folder_restarts(tmp_path, tok, 
   again = data.prepare(srcs, tok, out, log=lambda s: None)
   assert again["sources"]["text_0"]["documents"] == 6 and sorted(p.name for p in out.iterdir()) == [
       data.MANIFEST_NAME, "text_0"]
+
+
+@pytest.mark.parametrize("weight", ["abc", None, "0.5", True])
+def test_a_weight_that_is_not_a_number_is_named(prepared, weight):
+  """A hand-edited manifest weight "abc" or null, or weights={'text_0': '1'}, raised a bare
+  ValueError / TypeError; the string "0.5" was taken as a number."""
+  _, out, _ = prepared
+  manifest = json.loads((out / data.MANIFEST_NAME).read_text())
+  manifest["sources"]["text_0"]["weight"] = weight
+  (out / data.MANIFEST_NAME).write_text(json.dumps(manifest))
+  for weights in (None, {"text_0": weight}):
+    with pytest.raises(data.DataError, match=r"each weight must be a finite number >= 0"):
+      data.make_lm_dataset(out, weights, 32, 2, seed=0)

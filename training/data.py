@@ -389,12 +389,13 @@ def _final(packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 def _mixture_weights(manifest: dict, weights: dict[str, float] | None) -> dict[str, float]:
   known = manifest["sources"]
-  if weights is None:
-    weights = {name: float(e["weight"]) for name, e in known.items()}
+  if weights is None:  # as written (a hand-edited "abc" or null is named below, not a bare error)
+    weights = {name: e.get("weight") if isinstance(e, dict) else None for name, e in known.items()}
   unknown = sorted(set(weights) - set(known))
   if unknown:
     raise DataError(f"weights name unknown source(s) {unknown}; prepared sources: {sorted(known)}.")
-  bad = {k: w for k, w in weights.items() if not (np.isfinite(w) and w >= 0)}
+  bad = {k: w for k, w in weights.items() if isinstance(w, bool) or not isinstance(w, (int, float, np.number))
+         or not (np.isfinite(w) and w >= 0)}
   if bad:
     raise DataError(f"weights {bad}: each weight must be a finite number >= 0.")
   used = {k: float(w) for k, w in weights.items() if w > 0}
