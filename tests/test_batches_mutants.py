@@ -48,8 +48,15 @@ def test_grain_batches_refuse_a_bytes_checkpoint_and_forward_their_own():
   g._it = types.SimpleNamespace(set_state=got.append)
   with pytest.raises(DataError, match="written with config.data.pipeline='bytes'"):
     g.set_state({"pipeline": "bytes", "seed": 0})
-  g.set_state({"parent": {"next_index": 3}, "next_row": 1})
+  g.set_state({"parent": {"next_index": 3}, "next_row": 1})  # a bare (pre-settings) iterator state
   assert got == [{"parent": {"next_index": 3}, "next_row": 1}]
+  g.config, g.tc = pretrain.get_config("tiny"), types.SimpleNamespace(seq_len=32)
+  g.manifest = {"sources": {"stdlib": {"weight": 1.0}}}
+  g._it.get_state = lambda: {"parent": {"next_index": 5}}
+  state = g.get_state()
+  assert state["pipeline"] == "grain" and state["iterator"] == {"parent": {"next_index": 5}}
+  g.set_state(state)  # its own state: the settings agree, the iterator state is forwarded
+  assert got[-1] == {"parent": {"next_index": 5}}
 
 
 @pytest.mark.parametrize("processes, share", [(1, 12), (3, 4), (4, 3), (5, None), (8, None)])

@@ -3,7 +3,10 @@
 grain  config.data.sources tokenized (config.data.tokenizer, default: the
        bundled one) into ArrayRecord shards by process 0, then the grain
        pipeline (`training.data`: shuffled, mixed, packed); each process reads
-       global_batch / processes rows. Resume restores the iterator's state.
+       global_batch / processes rows. Resume restores the iterator's state,
+       refusing one written under another shuffle_seed, packing, seq_len or
+       source mixture (a bare iterator state, as older checkpoints hold, is
+       restored unchecked).
 bytes  windows of the running interpreter's standard-library source as raw
        bytes (`training.byte_corpus`): no tokenizer, no preparation, ids
        0..255. Row r of step s is addressed by (config.data.shuffle_seed, s,
@@ -76,6 +79,30 @@ def _from_process_rows(mesh, local: dict[str, np.ndarray], global_batch: int) ->
   return out
 
 
+def _check_seed(seed: Any, pipeline: str) -> int:
+  if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:  # numpy's generator needs >= 0
+    raise ConfigError(f"config.data.shuffle_seed={seed!r}: the {pipeline} pipeline needs an int >= 0.")
+  return seed
+
+
+_SETTING_FLAGS = {"shuffle_seed": "config.data.shuffle_seed", "packing": "config.data.packing",
+                  "seq_len": "config.train.seq_len", "sources": "config.data.sources"}
+
+
+def _check_settings(saved: dict, now: dict) -> None:
+  """DataError naming the first setting the checkpoint's grain stream was written under that differs."""
+  for key, flag in _SETTING_FLAGS.items():
+    if key in saved and saved[key] != now[key]:
+      fix = repr(saved[key]) if isinstance(saved[key], str) else saved[key]  # shell-quoted
+      raise DataError(f"the checkpoint's grain batches used {flag}={saved[key]!r}, this run {now[key]!r}; "
+                      f"resume with --{flag}={fix}, or start a new --workdir.")
+  if "weights" in saved and saved["weights"] != now["weights"]:
+    raise DataError(f"the checkpoint's grain batches mixed the prepared sources with weights "
+                    f"{saved['weights']}, this run's prepared data has {now['weights']}; resume with "
+                    f"--config.data.sources={saved.get('sources')!r} (and its --config.data.prepared_dir), "
+                    "or start a new --workdir.")
+
+
 class GrainBatches:
   """config.data.pipeline = 'grain': tokenized, prepared shards through the grain pipeline."""
 
@@ -87,6 +114,7 @@ class GrainBatches:
   def __init__(self, config, workdir: str, mesh: jax.sharding.Mesh, tc: TrainConfig):
     if config.data.packing not in data_lib.PACKINGS:  # before minutes of data preparation
       raise ConfigError(f"config.data.packing={config.data.packing!r}: choose one of {data_lib.PACKINGS}.")
+    _check_seed(config.data.shuffle_seed, "grain")  # else the first batch fails, after the preparation
     self.config, self.workdir, self.mesh, self.tc = config, workdir, mesh, tc
     self.tokenizer = tokenizer_for(config)
     self.manifest = prepare_data(config, workdir, self.tokenizer)
@@ -105,13 +133,23 @@ class GrainBatches:
     del step  # the iterator's position is the step
     return _from_process_rows(self.mesh, next(self._it), self.tc.global_batch)
 
-  def get_state(self) -> Any:
-    return self._it.get_state()
+  def settings(self) -> dict:
+    """What the stream's order depends on: a resume under other values would repeat or skip documents."""
+    return {"shuffle_seed": self.config.data.shuffle_seed, "packing": self.config.data.packing,
+            "seq_len": self.tc.seq_len, "sources": self.config.data.sources,
+            "weights": {n: s["weight"] for n, s in sorted(self.manifest["sources"].items())}}
+
+  def get_state(self) -> dict:
+    return {"pipeline": "grain", "settings": self.settings(), "iterator": self._it.get_state()}
 
   def set_state(self, state: Any) -> None:
+    """Resumes the iterator; a state without "pipeline" is a bare iterator state (older checkpoints)."""
     if isinstance(state, dict) and state.get("pipeline") == "bytes":
       raise DataError("the checkpoint was written with config.data.pipeline='bytes'; resume it with "
                       "--config.data.pipeline=bytes, or start a new --workdir.")
+    if isinstance(state, dict) and state.get("pipeline") == "grain":
+      _check_settings(state.get("settings") or {}, self.settings())
+      state = state["iterator"]
     self._it.set_state(state)
 
   def summary(self) -> dict:
@@ -129,9 +167,7 @@ class ByteBatches:
     if cfg.vocab_size < 256:
       raise ConfigError(f"config.model.vocab_size={cfg.vocab_size}: config.data.pipeline='bytes' "
                         "needs >= 256 ids (one per byte).")
-    seed = config.data.shuffle_seed
-    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:  # numpy's generator needs >= 0
-      raise ConfigError(f"config.data.shuffle_seed={seed!r}: the bytes pipeline needs an int >= 0.")
+    seed = _check_seed(config.data.shuffle_seed, "bytes")
     self.mesh, self.tc, self.seed = mesh, tc, seed
     self.corpus = byte_corpus.load_stdlib_bytes()
 
