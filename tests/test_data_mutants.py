@@ -228,3 +228,13 @@ def test_a_weight_that_is_not_a_number_is_named(prepared, weight):
   for weights in (None, {"text_0": weight}):
     with pytest.raises(data.DataError, match=r"each weight must be a finite number >= 0"):
       data.make_lm_dataset(out, weights, 32, 2, seed=0)
+
+
+def test_a_jsonl_field_that_is_not_there_fails_before_any_source_is_tokenized(tmp_path, tok):
+  """The first source was tokenized in full before the second one's wrong @field was found."""
+  _docs(tmp_path / "a", 3, seed=2)
+  (tmp_path / "x.jsonl").write_text('{"text": "a document"}\n')
+  srcs = data.parse_sources(f"text:{tmp_path}/a/*.txt=1;jsonl:{tmp_path}/x.jsonl@content=1")
+  with pytest.raises(data.DataError, match=r"x.jsonl:1: no string field 'content'"):
+    data.prepare(srcs, tok, tmp_path / "p", log=lambda s: None)
+  assert not (tmp_path / "p" / "text_0").exists()

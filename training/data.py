@@ -62,6 +62,7 @@ from training.data_sources import (  # noqa: F401 (parse_sources, KINDS: re-expo
   KINDS,
   DataError,
   Source,
+  check_first_documents,
   input_fingerprint,
   iter_documents,
   parse_sources,
@@ -276,6 +277,8 @@ def prepare(sources: Sequence[Source], tokenizer, out_dir, docs_per_shard: int =
   # Every source's files first: a source matching nothing fails before any is tokenized. Files
   # under the output directory are never inputs (a glob over its parent read the shards as text).
   inputs = [(source, _outside(source_files(source), out)) for source in sources]
+  for source, files in inputs:
+    check_first_documents(source, files)
   entries, rebuilt = {}, []
   for source, files in inputs:
     config = _source_config(source, docs_per_shard, max_docs)

@@ -10,6 +10,7 @@ is not tokenized again.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import hashlib
@@ -161,6 +162,16 @@ def iter_documents(source: Source, files: Sequence[epath.Path] | None = None) ->
       text = path.read_bytes().decode("utf-8", errors="replace")
       if text.strip():
         yield text
+
+
+def check_first_documents(source: Source, files: Sequence[epath.Path]) -> None:
+  """Reads each jsonl file's first document, so that a wrong `@field` or a file that is not JSON
+  lines fails before any source is tokenized, not after the sources before it (hours, for a
+  large corpus). Text and stdlib files need no check."""
+  if source.kind == "jsonl":
+    for path in files:
+      with contextlib.closing(_jsonl_documents(path, source.field)) as docs:
+        next(docs, None)
 
 
 def _jsonl_documents(path: epath.Path, field: str) -> Iterator[str]:
