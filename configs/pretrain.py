@@ -30,7 +30,8 @@ def _data() -> ml_collections.ConfigDict:
   # (training/assets/tokenizer_<tiny|small>.json; `full` needs a path).
   d.tokenizer = ""
   # "kind[:glob[@field]]=weight;..." kinds stdlib | text | jsonl, e.g.
-  # "stdlib=0.8;jsonl:/data/web/*.jsonl@text=0.2". The default is the Python
+  # "stdlib=0.8;jsonl:/data/web/*.jsonl@text=0.2" (a weight is the source's share
+  # of the training tokens, relative to the others). The default is the Python
   # standard library of the running interpreter: present everywhere.
   d.sources = "stdlib=1.0"
   d.prepared_dir = ""  # ArrayRecord shards + manifest; "" = <workdir>/data
