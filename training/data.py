@@ -58,6 +58,7 @@ import numpy as np
 from array_record.python import array_record_module
 from etils import epath
 
+from model.config import is_int
 from training.data_sources import (  # noqa: F401 (parse_sources, KINDS: re-exported API)
   KINDS,
   DataError,
@@ -204,13 +205,18 @@ def _build_source(out: epath.Path, source: Source, files, tokenizer, config: dic
   (partial / SOURCE_META_NAME).write_text(json.dumps(meta, indent=1))
   # The old folder is renamed away first and removed last: a kill mid-rmtree left a source folder
   # without its source.json, which the next prepare refused as not its own (no restart).
-  final_dir, old = out / source.name, out / f".{source.name}.old"
+  final_dir, old = out / source.name, _old_dir(out, source)
   if final_dir.exists():
     final_dir.rename(old)
   partial.rename(final_dir)
   if old.exists():
     old.rmtree()
   return meta
+
+
+def _old_dir(out: epath.Path, source: Source) -> epath.Path:
+  """Where a rebuild moves a source's previous folder before removing it."""
+  return out / f".{source.name}.old"
 
 
 def _outside(files: list, out: epath.Path) -> list:
@@ -272,8 +278,8 @@ def prepare(sources: Sequence[Source], tokenizer, out_dir, docs_per_shard: int =
   out.mkdir(parents=True, exist_ok=True)
   tok = tokenizer_info(tokenizer)
   for source in sources:  # what a rebuild killed while removing the old folder left behind
-    if (out / f".{source.name}.old").exists():
-      (out / f".{source.name}.old").rmtree()
+    if _old_dir(out, source).exists():
+      _old_dir(out, source).rmtree()
   # Every source's files first: a source matching nothing fails before any is tokenized. Files
   # under the output directory are never inputs (a glob over its parent read the shards as text).
   inputs = [(source, _outside(source_files(source), out)) for source in sources]
@@ -437,7 +443,7 @@ def make_lm_dataset(prepared_dir, weights: dict[str, float] | None, seq_len: int
   if not 0 <= process_index < process_count:
     raise DataError(f"make_lm_dataset: process_index={process_index} must be in "
                     f"[0, process_count={process_count}).")
-  if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+  if not is_int(seed, numpy=True) or seed < 0:
     raise DataError(f"make_lm_dataset: seed={seed!r} must be an int >= 0 (config.data.shuffle_seed).")
   manifest = load_manifest(prepared_dir)
   used = _mixture_weights(manifest, weights)

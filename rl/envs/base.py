@@ -16,7 +16,6 @@ import dataclasses
 import importlib
 import json
 import logging
-import numbers
 import os
 import tempfile
 import weakref
@@ -24,7 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
-from model.config import ConfigError
+from model.config import ConfigError, is_int
 from rl.sandbox import taskdir
 from rl.sandbox.sandbox import check_mountable
 from rl.tasks.schema import Task
@@ -107,7 +106,7 @@ class EnvContext:
   disk_mb: int = 256
 
   def __post_init__(self):
-    if isinstance(self.disk_mb, bool) or not isinstance(self.disk_mb, numbers.Integral) or self.disk_mb < 1:
+    if not is_int(self.disk_mb, numpy=True) or self.disk_mb < 1:
       raise ConfigError(f"EnvContext: disk_mb={self.disk_mb!r} must be an int >= 1 (config.env.disk_mb; "
                         "a tmpfs reads 0 as no limit).")
     self._mounts: set[Path] = set()

@@ -29,12 +29,13 @@ import ctypes.util
 import errno
 import itertools
 import logging
-import numbers
 import os
 import re
 import stat
 import sys
 from pathlib import Path
+
+from model.config import is_int
 
 _log = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ def mount_tmpfs(path: Path, size_mb: int) -> str | None:
   Returns None when mounted, else why not (not Linux, not root, or the mount call's error).
   Raises ValueError for a size that is not an int >= 1 (tmpfs reads size=0 as no limit).
   """
-  if isinstance(size_mb, bool) or not isinstance(size_mb, numbers.Integral) or size_mb < 1:
+  if not is_int(size_mb, numpy=True) or size_mb < 1:
     raise ValueError(f"mount_tmpfs: size_mb={size_mb!r} must be an int >= 1 (tmpfs reads 0 as no limit).")
   if not sys.platform.startswith("linux"):
     return f"{sys.platform} has no tmpfs mounts here"
